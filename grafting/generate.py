@@ -1,0 +1,152 @@
+"""Token-by-token generation for the grafted VLM: prefill once, decode with the KV cache, stream text.
+
+Prefill runs the LLM over the prompt's input embeddings (image features spliced in); each decode step feeds one
+token id with the KV cache. Text is streamed incrementally: a delta is held back while it ends inside a UTF-8
+sequence or could still be the start of a stop string (the OpenAI ``stop`` semantics: the stop string itself is
+not returned).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import GraftedVLM
+from .processor import Prompt
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings (OpenAI semantics). ``temperature`` 0 means greedy; ``top_p`` in (0, 1];
+    ``seed`` makes sampling reproducible; ``stop``: up to 4 strings that end the answer (not included)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """One step of a generation stream: ``text`` is new visible text (may be empty), ``token_id`` the sampled
+    token (None on the final event), ``finish_reason`` set on the last event (``stop`` | ``length`` |
+    ``cancelled``), ``completion_tokens`` so far, ``t`` a ``time.perf_counter()`` stamp in seconds."""
+
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    t: float = 0.0
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                suppress_ids: tuple[int, ...] = ()) -> int:
+    """Pick the next token from ``logits`` ``(V,)`` (any float dtype): greedy at temperature 0, else
+    temperature + nucleus (top-p, Holtzman et al. 2019) sampling. ``suppress_ids`` are never picked."""
+    logits = logits.float().clone()
+    if suppress_ids:
+        logits[list(suppress_ids)] = float("-inf")
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStreamer:
+    """Incremental detokenizer with stop strings: feed token ids, get safe-to-send text deltas."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already sent
+        self.stopped = False
+
+    def text(self) -> str:
+        """The whole decoded answer so far (special tokens skipped)."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add a token; return the text that can be sent now (sets ``stopped`` when a stop string appears)."""
+        self.ids.append(token_id)
+        text = self.text()
+        for s in self.stop:
+            pos = text.find(s, max(0, self.sent - len(s)))
+            if pos != -1:
+                self.stopped = True
+                delta, self.sent = text[self.sent:pos], pos
+                return delta
+        end = len(text)
+        if text.endswith("\ufffd"):
+            end -= 1
+        for s in self.stop:  # hold back a tail that could be the beginning of a stop string
+            for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                if text[end - k:end] == s[:k]:
+                    end -= k
+                    break
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        return delta
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream (when no stop string completed)."""
+        if self.stopped:
+            return ""
+        text = self.text()
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+
+@torch.inference_mode()
+def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: SamplingParams,
+                    eos_token_ids: set[int], cancel: threading.Event | None = None) -> Iterator[Delta]:
+    """Prefill the prompt, then decode token by token with the KV cache, yielding :class:`Delta` events.
+
+    With images in the prompt the image placeholder ids are suppressed so the model cannot emit them. The
+    stream ends with a Delta whose ``finish_reason`` is ``stop`` (EOS or stop string), ``length``
+    (``max_new_tokens``) or ``cancelled`` (``cancel`` set; checked before every decode step).
+    """
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
+    suppress = model.image_token_ids.all() if prompt.pixel_values is not None else ()
+    streamer = TextStreamer(tokenizer, params.stop)
+    llm = model.llm
+    if prompt.pixel_values is None:
+        out = llm(input_ids=prompt.input_ids.to(model.device), use_cache=True)
+    else:
+        embeds = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)
+        out = llm(inputs_embeds=embeds, use_cache=True)
+    cache = out.cache
+    logits = out.logits[0, -1]
+    n = 0
+    while True:
+        if cancel is not None and cancel.is_set():
+            yield Delta(streamer.flush(), None, "cancelled", n, time.perf_counter())
+            return
+        if n >= params.max_new_tokens:
+            yield Delta(streamer.flush(), None, "length", n, time.perf_counter())
+            return
+        tok = sample_next(logits, params, generator, suppress)
+        n += 1
+        if tok in eos_token_ids:
+            yield Delta(streamer.flush(), None, "stop", n, time.perf_counter())
+            return
+        delta = streamer.push(tok)
+        if streamer.stopped:
+            yield Delta(delta, tok, "stop", n, time.perf_counter())
+            return
+        yield Delta(delta, tok, None, n, time.perf_counter())
+        out = llm(input_ids=torch.tensor([[tok]], device=model.device), cache=cache, use_cache=True)
+        cache = out.cache
+        logits = out.logits[0, -1]

@@ -1,0 +1,200 @@
+"""Messages -> model inputs: chat template, image placeholders, pixel values.
+
+OpenAI-style messages (``system``/``developer``/``user``/``assistant``; content a string or a list of
+``text``/``image_url``/``image`` parts) are rendered with the LLM's own chat template. Each image becomes the
+span ``<start> <image>*N <end>`` with ``N = grid_h * grid_w / 4`` (MoonViT's 2x2 patch merge), pixels made by
+transformers' ``Kimi_K25ImageProcessor`` so real checkpoints see the pixels they were trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .media import ImageInputError, load_image_url
+from .model import ImageTokenIds
+
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+class PromptError(ValueError):
+    """A malformed conversation (HTTP 400). ``param`` names the offending field; ``code`` is stable."""
+
+    def __init__(self, message: str, param: str | None = "messages", code: str | None = "invalid_messages",
+                 status_code: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status_code = param, code, status_code
+
+
+@dataclass
+class Prompt:
+    """Model inputs for one conversation.
+
+    input_ids: ``(1, T)`` long. pixel_values: ``(P, 3, 14, 14)`` float or None. image_grid_thw: ``(I, 3)`` long
+    or None. num_image_tokens: LLM positions taken by images (included in T).
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    num_image_tokens: int = 0
+    images: list[Image.Image] = field(default_factory=list, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt length in tokens (T)."""
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class ImageLimitsView:
+    """The image limits the processor enforces (bytes, pixels, count, allowed remote hosts)."""
+
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    max_images: int = 4
+    allowed_image_hosts: tuple[str, ...] = ()
+
+
+class GraftProcessor:
+    """Turns OpenAI-style messages into :class:`Prompt` for :class:`~grafting.model.GraftedVLM`.
+
+    Args:
+        tokenizer: the LLM's tokenizer (with chat template). image_processor: ``Kimi_K25ImageProcessor``.
+        image_tokens: the three placeholder strings (must each be one existing token).
+        limits: image limits; max_prompt_tokens: longest prompt accepted (an image span is never truncated:
+            over-long prompts are refused).
+    Raises (from :meth:`__call__`): PromptError (400) for malformed messages, typed placeholder text, too long
+        prompts; ImageInputError (400/413/415) for bad images.
+    """
+
+    def __init__(self, tokenizer, image_processor, image_tokens: tuple[str, str, str],
+                 limits: ImageLimitsView | None = None, max_prompt_tokens: int = 4096):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.image_token_strings = tuple(image_tokens)
+        ids = []
+        for s in self.image_token_strings:
+            tid = tokenizer.convert_tokens_to_ids(s)
+            if tid is None or tid == tokenizer.unk_token_id or len(tokenizer(s, add_special_tokens=False).input_ids) != 1:
+                raise ValueError(f"image token {s!r} is not a single token of the LLM vocabulary")
+            ids.append(tid)
+        self.image_token_ids = ImageTokenIds(*ids)
+        self.limits = limits or ImageLimitsView()
+        self.max_prompt_tokens = max_prompt_tokens
+        self.merge = 4
+
+    # -- messages ---------------------------------------------------------------------------------
+    def _check_text(self, text: Any, param: str) -> str:
+        if not isinstance(text, str):
+            raise PromptError(f"{param} must be a string", param)
+        for s in self.image_token_strings:
+            if s in text:
+                raise PromptError(f"{param} contains the reserved image placeholder text {s!r}; "
+                                  "send images as image_url parts", param, "reserved_token_text")
+        return text
+
+    def normalize(self, messages: Any) -> tuple[list[dict], list[Any]]:
+        """Validate messages; return (chat-template messages with string content, image sources in order).
+
+        Text parts of one message are joined with newlines; each image part becomes one image-token marker
+        that :meth:`__call__` expands into the full span.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("messages must be a non-empty list", "messages", "empty_messages")
+        conv, images = [], []
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise PromptError(f"messages[{i}] must be an object", f"messages[{i}]")
+            role = msg.get("role")
+            if role not in ROLES:
+                raise PromptError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant",
+                                  f"messages[{i}].role", "invalid_role")
+            content = msg.get("content")
+            if content is None and role == "assistant":
+                content = ""
+            if isinstance(content, str):
+                text = self._check_text(content, f"messages[{i}].content")
+            elif isinstance(content, list):
+                pieces = []
+                for j, part in enumerate(content):
+                    p = f"messages[{i}].content[{j}]"
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "text":
+                        pieces.append(self._check_text(part.get("text"), p + ".text"))
+                    elif kind in ("image_url", "image"):
+                        if role != "user":
+                            raise PromptError(f"{p}: images are accepted in user messages only", p)
+                        if kind == "image_url":
+                            iu = part.get("image_url")
+                            url = iu.get("url") if isinstance(iu, dict) else iu
+                            images.append((url, p + ".image_url.url"))
+                        else:
+                            if not isinstance(part.get("image"), Image.Image):
+                                raise PromptError(f"{p}.image must be a PIL image", p)
+                            images.append((part["image"], p))
+                        pieces.append(self.image_token_strings[1])
+                    else:
+                        raise PromptError(f"{p}.type {kind!r} is not supported (text, image_url)", p + ".type")
+                text = "\n".join(pieces)
+            else:
+                raise PromptError(f"messages[{i}].content must be a string or a list of parts",
+                                  f"messages[{i}].content")
+            conv.append({"role": "system" if role == "developer" else role, "content": text})
+        if len(images) > self.limits.max_images:
+            raise PromptError(f"{len(images)} images in the request, over the limit of {self.limits.max_images}",
+                              "messages", "too_many_images")
+        return conv, images
+
+    def load_images(self, sources: list[Any]) -> list[Image.Image]:
+        """Decode image sources (URL strings or PIL images) with the limits. Raises ImageInputError."""
+        out = []
+        for src, param in sources:
+            if isinstance(src, Image.Image):
+                w, h = src.size
+                if w * h > self.limits.max_image_pixels:
+                    raise ImageInputError(f"image is {w}x{h}, over the pixel limit", 413, "image_too_large", param)
+                out.append(src.convert("RGB"))
+            else:
+                out.append(load_image_url(src, self.limits.max_image_bytes, self.limits.max_image_pixels,
+                                          self.limits.allowed_image_hosts, param=param))
+        return out
+
+    # -- tokens -----------------------------------------------------------------------------------
+    def template_ids(self, conv: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``conv`` under the LLM's chat template (exactly what the base LLM would get)."""
+        out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    def __call__(self, messages: Any, add_generation_prompt: bool = True) -> Prompt:
+        """Build the :class:`Prompt` for an OpenAI-style conversation (see class docstring for errors)."""
+        conv, sources = self.normalize(messages)
+        images = self.load_images(sources)
+        ids = self.template_ids(conv, add_generation_prompt)
+        if not images:
+            return self._finish(ids, None, None, 0, [])
+        feats = self.image_processor(images=images, return_tensors="pt")
+        grid = feats["image_grid_thw"]
+        per_image = (grid[:, 1] * grid[:, 2] // self.merge).tolist()
+        t = self.image_token_ids
+        expanded, k = [], 0
+        for tid in ids:
+            if tid == t.image:
+                expanded += [t.start] + [t.image] * per_image[k] + [t.end]
+                k += 1
+            else:
+                expanded.append(tid)
+        if k != len(images):  # the chat template dropped or duplicated a marker
+            raise PromptError(f"chat template kept {k} of {len(images)} image markers", "messages")
+        return self._finish(expanded, feats["pixel_values"], grid, sum(per_image), images)
+
+    def _finish(self, ids, pixel_values, grid, n_image_tokens, images) -> Prompt:
+        if len(ids) > self.max_prompt_tokens:
+            raise PromptError(f"prompt is {len(ids)} tokens (images included), over the limit of "
+                              f"{self.max_prompt_tokens}", "messages", "context_length_exceeded")
+        return Prompt(torch.tensor([ids], dtype=torch.long), pixel_values, grid, n_image_tokens, images)
