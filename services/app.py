@@ -1,0 +1,185 @@
+"""The FastAPI ingress, built by a factory so tests can drive it without Ray (``httpx.ASGITransport``).
+
+``build_app(profile, backends)`` mounts the routes of every family in the profile (``services/chat.py``,
+``services/videos.py``, ``services/speech.py``), the operational endpoints (``/healthz``, ``/readyz``,
+``/metrics``, ``/v1/models``), API-key auth for ``/v1/*``, per-endpoint metrics and OpenAI-shaped errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Match
+
+from . import metrics
+from .backends import Backend
+from .edge import EdgeMiddleware
+from .errors import error_body, install_error_handlers
+from .profiles import Profile
+
+log = logging.getLogger("chimera")
+
+FAMILY_MODULES = {"vlm": "services.chat", "video": "services.videos", "tts": "services.speech"}
+OWNERS = {"vlm": "chimera", "video": "chimera", "tts": "chimera"}
+
+
+def family_module(family: str):
+    """The services module of a family (``make_router`` and ``Deployment`` live there)."""
+    return importlib.import_module(FAMILY_MODULES[family])
+
+
+class AuthMiddleware:
+    """Bearer-token auth on ``/v1/*`` (HTTP and WebSocket; browsers' websockets may pass ``?api_key=``).
+
+    The key is compared in constant time; health and metrics stay open."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _ok(self, scope) -> bool:
+        headers = dict(scope.get("headers", []))
+        auth = headers.get(b"authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        if not token and scope["type"] == "websocket":
+            from urllib.parse import parse_qs
+
+            token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
+        return bool(token) and any(hmac.compare_digest(token, k) for k in self.keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and self.keys and scope["path"].startswith("/v1/") \
+                and not self._ok(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
+                return
+            resp = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer <key>)",
+                                           "authentication_error", None, "invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class MetricsMiddleware:
+    """Counts requests and records latency per route template (``/v1/videos/{video_id}``), status included."""
+
+    def __init__(self, app, fastapi_app: FastAPI):
+        self.app = app
+        self.fastapi_app = fastapi_app
+
+    def _endpoint(self, scope) -> str:
+        for route in self.fastapi_app.router.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "path", scope["path"])
+        return "unmatched"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            ep = self._endpoint(scope)
+            metrics.REQUESTS.labels(ep, scope["method"], str(status["code"])).inc()
+            metrics.REQUEST_LATENCY.labels(ep, scope["method"]).observe(time.perf_counter() - t0)
+
+
+def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
+    """Build the ingress app for ``profile`` with one backend per family present (``vlm``, ``video``, ``tts``).
+
+    Raises KeyError if a family of the profile has no backend."""
+    app = FastAPI(title="Chimera", version="0.1.0",
+                  description="OpenAI-compatible API for a grafted vision-LLM, video diffusion jobs and speech.")
+    app.state.profile = profile
+    app.state.backends = backends
+    install_error_handlers(app)
+    families = profile.families()
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz():
+        """Liveness: the ingress answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz():
+        """200 once every model of the profile is loaded, else 503 listing those that are not."""
+        async def one(fam):
+            try:
+                return bool(await asyncio.wait_for(backends[fam].call("ready"), timeout=5.0))
+            except Exception:  # noqa: BLE001 - any failure means not ready
+                return False
+        states = dict(zip(families, await asyncio.gather(*(one(f) for f in families))))
+        not_ready = [families[f].model_id for f, ok in states.items() if not ok]
+        body = {"status": "ready" if not not_ready else "loading",
+                "models": {families[f].model_id: ("ready" if ok else "loading") for f, ok in states.items()}}
+        if not_ready:
+            body["error"] = error_body(f"models not loaded yet: {', '.join(not_ready)}", "service_unavailable",
+                                       None, "model_not_ready")["error"]
+        return JSONResponse(body, status_code=200 if not not_ready else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    async def prometheus_metrics():
+        """Prometheus text exposition of the ingress metrics."""
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", tags=["models"])
+    async def list_models():
+        """The models this profile serves (OpenAI list shape)."""
+        created = int(app.state.started_at)
+        return {"object": "list", "data": [
+            {"id": s.model_id, "object": "model", "created": created, "owned_by": OWNERS[f]}
+            for f, s in families.items()]}
+
+    @app.get("/v1/models/{model_id}", tags=["models"])
+    async def get_model(model_id: str):
+        """One model by id (404 if unknown)."""
+        from .errors import APIError
+
+        for f, s in families.items():
+            if s.model_id == model_id:
+                return {"id": s.model_id, "object": "model", "created": int(app.state.started_at), "owned_by": OWNERS[f]}
+        raise APIError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
+
+    app.state.started_at = time.time()
+    for fam, section in families.items():
+        app.include_router(family_module(fam).make_router(section, backends[fam], profile))
+
+    app.add_middleware(MetricsMiddleware, fastapi_app=app)
+    app.add_middleware(AuthMiddleware, keys=profile.server.api_keys)
+    app.add_middleware(EdgeMiddleware)
+    return app
+
+
+def check_model(profile: Profile, family: str, model: Any, param: str = "model") -> str:
+    """Resolve a request's ``model`` for ``family``: None -> the family's model; an unknown id -> 404; another
+    family's model -> 400. Returns the model id."""
+    from .errors import APIError
+
+    section = getattr(profile, family)
+    if model is None:
+        return section.model_id
+    if not isinstance(model, str):
+        raise APIError(400, "model must be a string", param=param, code="invalid_value")
+    if model == section.model_id:
+        return model
+    if model in profile.model_ids():
+        raise APIError(400, f"model {model!r} does not serve this endpoint (use {section.model_id!r})", param=param,
+                       code="model_not_supported")
+    raise APIError(404, f"model {model!r} not found (available: {', '.join(profile.model_ids())})", param=param,
+                   code="model_not_found")

@@ -1,0 +1,79 @@
+"""``chimera``: the command line (typer).
+
+``chimera prepare [--profile cpu]`` builds the profile's model directory once (idempotent);
+``chimera serve [--profile cpu]`` starts Ray Serve with the whole application;
+``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/cli.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import sys
+import time
+
+import typer
+
+from .profiles import ProfileError, load_profile
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Chimera: multimodal inference service.")
+BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build"}
+
+try:  # the grafting training commands live with the model code
+    from grafting.cli import graft_app
+
+    app.add_typer(graft_app, name="graft", help="Train, evaluate and prepare vision-LLM grafts.")
+except ImportError:  # pragma: no cover - only while grafting/cli.py does not exist
+    pass
+
+
+def _load(profile: str):
+    try:
+        return load_profile(profile)
+    except ProfileError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path")):
+    """Build the profile's small cpu models into its model directory (does nothing the second time)."""
+    prof = _load(profile)
+    model_dir = prof.resolved_model_dir()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for fam, section in prof.families().items():
+        t0 = time.perf_counter()
+        wrote = importlib.import_module(BUILDERS[fam]).prepare(section.engine, model_dir)
+        state = f"built in {time.perf_counter() - t0:.1f} s" if wrote else "up to date"
+        typer.echo(f"{fam:6s} {section.model_id:16s} {state}  ({model_dir})")
+
+
+@app.command()
+def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
+          host: str = typer.Option(None, help="bind address (default: the profile's)"),
+          port: int = typer.Option(None, help="port (default: the profile's)")):
+    """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM."""
+    from ray import serve as ray_serve
+
+    from .serve_app import init_ray, run
+
+    logging.basicConfig(level=logging.INFO)
+    prof = _load(profile)
+    init_ray(prof)
+    url = run(prof, host, port)
+    typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (Ctrl-C to stop)")
+
+    def stop(*_):
+        typer.echo("shutting down")
+        ray_serve.shutdown()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    app()

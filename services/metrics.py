@@ -1,0 +1,27 @@
+"""Prometheus metrics, recorded in the ingress process (Ray replicas are other processes).
+
+Per-endpoint request counts and latency; time to first token (TTFT) and inter-token latency (ITL) of chat;
+each family adds its block below. Exposed at ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+REQUESTS = Counter("chimera_requests_total", "HTTP requests by endpoint, method and status code",
+                   ["endpoint", "method", "status"], registry=REGISTRY)
+REQUEST_LATENCY = Histogram("chimera_request_latency_seconds", "HTTP request latency until the response ends (s)",
+                            ["endpoint", "method"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+
+# --- chat (grafted VLM) --------------------------------------------------------------------------------------
+TTFT = Histogram("chimera_time_to_first_token_seconds", "Time to first token of a chat completion (s)",
+                 ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+ITL = Histogram("chimera_inter_token_latency_seconds", "Time between consecutive streamed tokens (s)",
+                ["model"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                registry=REGISTRY)
+TOKENS = Counter("chimera_generated_tokens_total", "Completion tokens generated", ["model"], registry=REGISTRY)
+ACTIVE_CHAT = Gauge("chimera_chat_streams_active", "Chat completions being generated", ["model"], registry=REGISTRY)

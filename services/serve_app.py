@@ -1,0 +1,81 @@
+"""The Ray Serve application: one FastAPI ingress deployment plus one deployment per model family.
+
+``build_application(profile)`` binds every family's ``Deployment`` (``services/chat.py`` ...) with the profile's
+options and passes their handles to the ingress, whose FastAPI app is built at replica start by
+:func:`services.app.build_app`. ``run(profile)`` starts it on the profile's host and port.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+
+from .app import build_app, family_module
+from .backends import RayBackend
+from .profiles import DeploymentOptions, Profile
+
+APP_NAME = "chimera"
+PROXY_CALLBACK = "services.edge:proxy_middlewares"
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP ingress replica: holds one :class:`RayBackend` per family."""
+
+    def __init__(self, profile: dict, **handles: Any):
+        self.profile = Profile.model_validate(profile)
+        self.backends = {fam: RayBackend(h) for fam, h in handles.items()}
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.profile, self.backends)
+
+
+def _options(name: str, o: DeploymentOptions) -> dict:
+    env = {"OMP_NUM_THREADS": str(o.torch_threads)} if o.torch_threads else {}
+    return dict(name=name, num_replicas=o.num_replicas, max_ongoing_requests=o.max_ongoing_requests,
+                max_queued_requests=o.max_queued_requests, health_check_period_s=o.health_check_period_s,
+                health_check_timeout_s=o.health_check_timeout_s,
+                ray_actor_options={"num_cpus": o.num_cpus, "num_gpus": o.num_gpus,
+                                   "runtime_env": {"env_vars": env} if env else {}})
+
+
+def build_application(profile: Profile):
+    """Bind the whole application graph for ``profile`` (nothing starts until ``serve.run``)."""
+    model_dir = str(profile.resolved_model_dir())
+    handles = {}
+    for fam, section in profile.families().items():
+        dep = serve.deployment(family_module(fam).Deployment).options(**_options(fam, section.deployment))
+        handles[fam] = dep.bind(section.model_dump(mode="json"), model_dir)
+    ingress = serve.deployment(Ingress).options(**_options("ingress", profile.server.ingress))
+    return ingress.bind(profile.model_dump(mode="json"), **handles)
+
+
+def init_ray(profile: Profile, **overrides: Any) -> None:
+    """Start (or join) Ray with the edge middleware installed in Serve's HTTP proxy."""
+    import ray
+
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if profile.ray.address:
+        kwargs["address"] = profile.ray.address
+    else:
+        if profile.ray.num_cpus is not None:
+            kwargs["num_cpus"] = profile.ray.num_cpus
+        if profile.ray.num_gpus is not None:
+            kwargs["num_gpus"] = profile.ray.num_gpus
+    kwargs.update(overrides)
+    kwargs.setdefault("runtime_env", {"env_vars": {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}})
+    ray.init(**kwargs)
+
+
+def run(profile: Profile, host: str | None = None, port: int | None = None, blocking: bool = False) -> str:
+    """Deploy the application; returns the base URL. Ray must be initialised (see :func:`init_ray`)."""
+    host = host or profile.server.host
+    port = port or profile.server.port
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": profile.server.request_timeout_s})
+    serve.run(build_application(profile), name=APP_NAME, route_prefix="/", blocking=blocking)
+    return f"http://{host}:{port}"
