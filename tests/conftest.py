@@ -1,0 +1,106 @@
+"""Shared fixtures.
+
+- ``profile`` / ``model_dir``: the cpu profile and its prepared model directory (``chimera prepare`` is run
+  once, idempotently).
+- ``ray_cluster``: Ray started once per session with 4 logical CPUs and 2 logical GPUs (one-GPU-per-job
+  scheduling is testable without hardware).
+- ``serve_url`` / ``openai_client``: the real Ray Serve application of the whole cpu profile, started once per
+  session on a free port; the official ``openai`` SDK is the client.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def profile():
+    from services.profiles import load_profile
+
+    return load_profile("cpu")
+
+
+@pytest.fixture(scope="session")
+def model_dir(profile):
+    import importlib
+
+    from services.cli import BUILDERS
+
+    d = profile.resolved_model_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    for fam, section in profile.families().items():
+        importlib.import_module(BUILDERS[fam]).prepare(section.engine, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(profile):
+    import ray
+
+    from services.serve_app import init_ray
+
+    init_ray(profile, num_cpus=4, num_gpus=2)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(profile, model_dir, ray_cluster):
+    from ray import serve
+
+    from services.serve_app import run
+
+    port = free_port()
+    url = run(profile, "127.0.0.1", port)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        raise RuntimeError("service did not become ready")
+    yield url
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def openai_client(serve_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def astronaut():
+    """scikit-image's astronaut photograph (512x512 RGB) as a PIL image."""
+    from PIL import Image
+    from skimage import data
+
+    return Image.fromarray(data.astronaut())
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    """A PIL image as a base64 data URL."""
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
