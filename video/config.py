@@ -1,9 +1,146 @@
-"""Configuration of the video family (engine block of a profile). Owned by video/; extend freely."""
+"""Configuration of the video family (the ``video.engine`` block of a profile).
 
-from pydantic import BaseModel, ConfigDict
+``model`` is a diffusers-format Wan pipeline directory (``model_index.json`` + ``transformer/``, ``vae/``,
+``text_encoder/``, ``tokenizer/``, ``scheduler/``) or a hub id, e.g. ``Wan-AI/Wan2.2-TI2V-5B-Diffusers``
+(variant ``ti2v``: one transformer does text- and image-to-video) or ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``
+(variant ``t2v``; image-to-video then needs ``i2v_model``, e.g. ``Wan-AI/Wan2.1-I2V-14B-480P-Diffusers``).
+Relative directories are resolved against the profile's model directory. ``build`` describes the small
+random-weight cpu models that ``chimera prepare`` writes; GPU profiles leave it out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
-class VideoConfig(BaseModel):
-    """Engine config of the Wan-style video family (placeholder until the video engine lands)."""
-
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class VideoLimits(_Strict):
+    """Request limits checked before a job is queued (violations are 400s, or 413 for large uploads).
+
+    Sizes in pixels, durations in seconds, frames per clip, prompt length in characters, upload sizes in bytes.
+    """
+
+    max_width: int = Field(1280, ge=16)
+    max_height: int = Field(1280, ge=16)
+    max_pixels: int = Field(1280 * 720, ge=256)
+    max_seconds: float = Field(20.0, gt=0)
+    max_clips: int = Field(8, ge=1)
+    max_frames_per_clip: int = Field(121, ge=1)
+    max_steps: int = Field(100, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    max_image_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    max_image_pixels: int = Field(4096 * 4096, gt=0)
+    max_video_bytes: int = Field(256 * 1024 * 1024, gt=0)
+
+
+class VideoDefaults(_Strict):
+    """Values used when a request leaves them out. ``frames_per_clip`` must be 4k+1 (Wan's VAE compresses
+    time by 4); a clip then lasts ``(frames_per_clip - 1) / fps`` seconds."""
+
+    width: int = 832
+    height: int = 480
+    fps: int = Field(16, ge=1, le=60)
+    frames_per_clip: int = 81
+    num_inference_steps: int = Field(40, ge=1)
+    guidance_scale: float = Field(5.0, ge=0)
+    negative_prompt: str = ""
+
+
+class JobOptions(_Strict):
+    """The job manager: durable store (any SQLAlchemy URL; relative SQLite paths and ``results_dir`` are
+    resolved against the model dir), one Ray task per job with ``gpus_per_job`` GPUs (0 on the cpu
+    profile), at most ``max_queued`` unfinished jobs (beyond it: 429), results kept ``ttl_s`` seconds."""
+
+    store_url: str = "sqlite:///video_jobs.sqlite"
+    results_dir: str = "video_results"
+    gpus_per_job: float = Field(0.0, ge=0)
+    cpus_per_job: float = Field(1.0, ge=0)
+    max_queued: int = Field(64, ge=1)
+    ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    actor_name: str = "chimera-video-jobs"
+    namespace: str = "chimera"
+
+
+class TransformerBuild(_Strict):
+    """Sizes of the small random ``WanTransformer3DModel`` (hidden = heads * head_dim)."""
+
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    ffn_dim: int = 64
+    freq_dim: int = 32
+
+
+class VAEBuild(_Strict):
+    """Sizes of the small random ``AutoencoderKLWan``. ``z_dim=48, patch_size=2, scale_factor_spatial=16``
+    with ``is_residual`` is the Wan2.2 (TI2V) VAE layout; ``z_dim=16, patch_size=None, 8`` is Wan2.1's."""
+
+    base_dim: int = 8
+    z_dim: int = 48
+    dim_mult: list[int] = [1, 2, 2, 2]
+    num_res_blocks: int = 1
+    is_residual: bool = True
+    patch_size: int | None = 2
+    scale_factor_spatial: int = 16
+
+
+class TextEncoderBuild(_Strict):
+    """Sizes of the small random ``UMT5EncoderModel`` (SmolLM2's tokenizer, 49,152 ids, feeds it)."""
+
+    d_model: int = 32
+    d_kv: int = 16
+    d_ff: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+
+
+class VideoBuild(_Strict):
+    """What ``chimera prepare`` writes for a cpu profile (all seeded)."""
+
+    transformer: TransformerBuild = TransformerBuild()
+    vae: VAEBuild = VAEBuild()
+    text_encoder: TextEncoderBuild = TextEncoderBuild()
+    max_sequence_length: int = 64
+    seed: int = 0
+
+
+class VideoConfig(_Strict):
+    """Engine config of the Wan-style video family.
+
+    ``variant``: ``ti2v`` (Wan2.2-TI2V: ``expand_timesteps``, one model for text and image input, sizes
+    multiples of 32) or ``t2v`` (Wan2.1: sizes multiples of 16; image input needs ``i2v_model``).
+    ``flow_shift``: the flow-matching schedule shift of the UniPC scheduler (Wan: 3.0 at 480p, 5.0 at 720p).
+    ``dtype``: transformer/text-encoder dtype; the VAE always runs in ``vae_dtype`` (fp32: encodes of chained
+    frames in bf16 amplify drift). ``max_sequence_length``: text tokens (Wan: 512).
+    """
+
+    model: str = "video/wan"
+    i2v_model: str | None = None
+    variant: str = Field("ti2v", pattern="^(ti2v|t2v)$")
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    vae_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    device: str = "cpu"
+    flow_shift: float = Field(5.0, gt=0)
+    max_sequence_length: int = Field(512, ge=1)
+    torch_threads: int | None = Field(None, ge=1)
+    defaults: VideoDefaults = VideoDefaults()
+    limits: VideoLimits = VideoLimits()
+    jobs: JobOptions = JobOptions()
+    build: VideoBuild | None = None
+
+    def resolve(self, model_dir: str | Path, p: str) -> str:
+        """A relative directory under ``model_dir`` as an absolute path; absolute paths and hub ids unchanged."""
+        if Path(p).is_absolute() or "://" in p:
+            return p
+        local = Path(model_dir) / p
+        return str(local) if local.exists() or self.build is not None else p
+
+    @property
+    def size_multiple(self) -> int:
+        """Width/height must be multiples of this many pixels (VAE stride x transformer patch)."""
+        return 32 if self.variant == "ti2v" else 16

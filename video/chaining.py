@@ -1,0 +1,80 @@
+"""Clip chaining: a long video as N image-to-video clips, each starting from the previous clip's last frame.
+
+What keeps chains from drifting (see design notes): the last frame is handed over in memory as float32
+(never re-read from an encoded file), each clip gets a fresh seed (:func:`clip_seeds`), the VAE encodes in
+fp32 (the engine's job), and every clip after the first is colour-matched to the FIRST clip
+(:mod:`video.drift`). The first frame of clip k+1 re-creates clip k's last frame, so it is dropped at the
+seam: N clips of F frames join into ``1 + N (F - 1)`` frames with no repeated frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .drift import ColorStats, color_stats, match_color
+
+# clip_fn(index, conditioning frame (3, H, W) float32 in [0, 1] or None, seed) -> frames (F, 3, H, W) float32
+ClipFn = Callable[[int, "torch.Tensor | None", int], torch.Tensor]
+
+
+class NonFiniteOutputError(RuntimeError):
+    """A clip came out with NaN/Inf values (fp16 overflow, a broken kernel): the job fails instead of
+    producing a black video. ``code`` is the job error code."""
+
+    code = "non_finite_output"
+
+
+def clip_seeds(seed: int, n: int) -> list[int]:
+    """``n`` different seeds derived from ``seed`` (clip 0 uses ``seed`` itself), each in [0, 2**63)."""
+    g = torch.Generator().manual_seed(seed)
+    return [seed] + [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(n - 1)]
+
+
+@dataclass
+class ChainResult:
+    """Joined frames float32 ``(T, 3, H, W)`` in [0, 1], the first clip's colour statistics (the drift
+    reference; pass it on to extend the video later), and the per-clip frame counts kept."""
+
+    frames: torch.Tensor
+    reference: ColorStats
+    kept_per_clip: list[int]
+
+
+def check_finite(frames: torch.Tensor, what: str) -> None:
+    """Raise NonFiniteOutputError when ``frames`` holds NaN or Inf."""
+    if not torch.isfinite(frames).all():
+        bad = int((~torch.isfinite(frames)).sum())
+        raise NonFiniteOutputError(f"{what} has {bad} non-finite values (NaN/Inf): generation failed numerically")
+
+
+def chain_clips(clip_fn: ClipFn, num_clips: int, seeds: list[int], first_image: torch.Tensor | None = None,
+                drift_correction: bool = True, reference: ColorStats | None = None, continuation: bool = False,
+                on_clip_done: Callable[[int], None] | None = None) -> ChainResult:
+    """Generate ``num_clips`` clips with ``clip_fn`` and join them.
+
+    ``first_image``: conditioning frame of clip 0 (None: text-to-video). ``reference``: colour statistics to
+    match (extensions pass the original video's); by default the first clip's. ``continuation``: the video
+    continues an existing one ending in ``first_image``, so clip 0's first frame is dropped too.
+    Raises NonFiniteOutputError on NaN/Inf output.
+    """
+    if len(seeds) < num_clips:
+        raise ValueError(f"need {num_clips} seeds, got {len(seeds)}")
+    parts, kept = [], []
+    cond = first_image
+    for k in range(num_clips):
+        clip = clip_fn(k, cond, seeds[k]).to(torch.float32)
+        check_finite(clip, f"clip {k + 1} of {num_clips}")
+        if reference is None:
+            reference = color_stats(clip)
+        elif drift_correction:
+            clip = match_color(clip, reference)
+        part = clip[1:] if (k > 0 or continuation) else clip
+        parts.append(part)
+        kept.append(part.shape[0])
+        cond = clip[-1].clone()
+        if on_clip_done is not None:
+            on_clip_done(k)
+    return ChainResult(frames=torch.cat(parts), reference=reference, kept_per_clip=kept)

@@ -1,0 +1,109 @@
+"""Media in and out of the video engine: reference images, MP4 (H.264) encode/decode, PNG thumbnails.
+
+Frames inside the engine are float tensors ``(T, 3, H, W)`` in [0, 1]; they are quantised to uint8 only when
+written. MP4s are written with PyAV (libx264, yuv420p, ``crf``), read back with PyAV.
+"""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+
+class MediaError(ValueError):
+    """A bad uploaded image or video. ``status_code``: 400 unreadable, 413 too large, 415 not an image/video."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.param = param
+
+
+def load_image(data: bytes, max_bytes: int, max_pixels: int, param: str = "input_reference") -> Image.Image:
+    """Decode an uploaded image (PNG, JPEG, WebP, GIF first frame, ...) to RGB.
+
+    Raises MediaError: 413 over ``max_bytes`` or ``max_pixels`` (decompression bombs are refused before
+    decoding), 415 when the bytes are not an image Pillow can read."""
+    if len(data) > max_bytes:
+        raise MediaError(f"{param}: image is {len(data)} bytes, the limit is {max_bytes}", 413, param)
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > max_pixels:
+            raise MediaError(f"{param}: image has {img.width}x{img.height} pixels, the limit is {max_pixels}",
+                             413, param)
+        img.load()
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as err:
+        if isinstance(err, MediaError):
+            raise
+        raise MediaError(f"{param}: not a readable image ({type(err).__name__})", 415, param) from None
+    return img.convert("RGB")
+
+
+def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:
+    """Scale to cover ``width`` x ``height`` pixels and centre-crop (aspect kept): float32 ``(3, H, W)`` in [0, 1]."""
+    img = ImageOps.fit(img.convert("RGB"), (width, height), method=Image.Resampling.LANCZOS)
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+
+
+def to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """Float ``(T, 3, H, W)`` in [0, 1] -> uint8 ``(T, H, W, 3)`` (rounded)."""
+    return (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def encode_mp4(frames: torch.Tensor | np.ndarray, fps: int, path: str | Path, crf: int = 12) -> None:
+    """Write an H.264 MP4 (yuv420p; even width/height) at ``fps`` frames per second.
+
+    ``frames``: float tensor ``(T, 3, H, W)`` in [0, 1] or uint8 array ``(T, H, W, 3)``. Written to a temporary
+    name first, then renamed, so a crash never leaves a half file under ``path``."""
+    import av
+
+    arr = to_uint8(frames) if isinstance(frames, torch.Tensor) else np.asarray(frames, dtype=np.uint8)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".part")
+    with av.open(str(tmp), mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=Fraction(int(fps), 1))
+        stream.width, stream.height = arr.shape[2], arr.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf), "preset": "veryfast"}
+        for f in arr:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    tmp.replace(path)
+
+
+def decode_video(src: str | Path | bytes, max_frames: int | None = None) -> tuple[np.ndarray, float]:
+    """Decode every frame of a video file (path or bytes): uint8 ``(T, H, W, 3)`` and the frame rate (Hz).
+
+    Raises MediaError(415) when the data is not a decodable video."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(src) if isinstance(src, bytes) else str(src)) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0) or 0.0
+            frames = []
+            for frame in container.decode(stream):
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if max_frames is not None and len(frames) > max_frames:
+                    raise MediaError(f"video has more than {max_frames} frames", 413, "video")
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, IndexError, ValueError) as err:
+        raise MediaError(f"video: not a decodable video ({type(err).__name__})", 415, "video") from None
+    if not frames:
+        raise MediaError("video: no frames", 415, "video")
+    return np.stack(frames), fps
+
+
+def png_bytes(frame: torch.Tensor) -> bytes:
+    """One float frame ``(3, H, W)`` in [0, 1] as PNG bytes (the job thumbnail)."""
+    buf = io.BytesIO()
+    Image.fromarray(to_uint8(frame[None])[0]).save(buf, format="PNG")
+    return buf.getvalue()
