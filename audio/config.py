@@ -1,9 +1,121 @@
-"""Configuration of the speech family (engine block of a profile). Owned by audio/; extend freely."""
+"""Configuration of the Orpheus-style speech family (the ``tts.engine`` block of a profile).
 
-from pydantic import BaseModel, ConfigDict
+The token layout is configuration, so the real profile uses Orpheus' Llama-3 ids and the cpu profile a small
+random-weight ``LlamaForCausalLM`` whose special and audio ids sit above SmolLM2's 49,152-token vocabulary.
+Paths are hub ids or directories; relative directories are resolved against the profile's model directory.
+Method: Orpheus TTS (canopyai/Orpheus-TTS) with the SNAC 24 kHz codec (hubertsiuzdak/snac).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+ORPHEUS_TAGS = ["laugh", "chuckle", "sigh", "cough", "sniffle", "groan", "yawn", "gasp"]
 
 
-class TTSConfig(BaseModel):
-    """Engine config of the Orpheus-style speech family (placeholder until the speech engine lands)."""
-
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TokenLayoutConfig(_Strict):
+    """Special ids and audio-token placement of an Orpheus-layout LM (defaults: the real Llama-3 ids).
+
+    Audio token at frame position ``p`` (0..positions-1) with code ``c`` (0..codebook_size-1) has id
+    ``audio_start + p * codebook_size + c``. ``end_of_text`` closes the text turn (Llama-3 ``<|eot_id|>``).
+    """
+
+    start_of_speech: int = 128257
+    end_of_speech: int = 128258
+    start_of_human: int = 128259
+    end_of_human: int = 128260
+    start_of_ai: int = 128261
+    end_of_ai: int = 128262
+    pad: int = 128263
+    end_of_text: int = 128009
+    audio_start: int = 128266
+    codebook_size: int = Field(4096, gt=0)
+    positions: int = Field(7, gt=0)
+
+
+class SamplingConfig(_Strict):
+    """Default sampling (most Orpheus servers: temperature 0.4-0.6, top_p 0.9-0.95, repetition penalty 1.1)."""
+
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    repetition_penalty: float = Field(1.1, ge=1)
+
+
+class LoopGuardConfig(_Strict):
+    """Loop guard: fires when the last ``window_frames`` frames repeat with a period of at most
+    ``max_period_frames`` frames (a repeated frame is period 1). On firing, the sentence is rolled back to
+    where the loop began and retried with ``repetition_penalty + penalty_step``, at most ``max_retries``
+    times; then it is cut short there. Frames are held back only ``window_frames`` frames (what a retry
+    may discard)."""
+
+    enabled: bool = True
+    window_frames: int = Field(8, ge=2)
+    max_period_frames: int = Field(4, ge=1)
+    max_retries: int = Field(1, ge=0)
+    penalty_step: float = Field(0.3, gt=0)
+
+    @model_validator(mode="after")
+    def _period_fits(self):
+        if 2 * self.max_period_frames > self.window_frames:
+            raise ValueError("loop_guard.window_frames must hold at least two periods (2 * max_period_frames)")
+        return self
+
+
+class TTSBuild(_Strict):
+    """Sizes of the small random-weight Orpheus-layout ``LlamaForCausalLM`` the cpu profile builds (seeded).
+    The SNAC decoder is the full 24 kHz architecture with random weights."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+class TTSConfig(_Strict):
+    """Engine config of the Orpheus-style speech family.
+
+    ``lm``: Orpheus-layout causal LM (hub id or dir); ``tokenizer``: its tokenizer (defaults to ``lm``);
+    ``snac``: SNAC 24 kHz dir holding ``config.json`` + ``pytorch_model.bin`` (``SNAC.from_pretrained``).
+    ``snac_noise``: SNAC's decoder noise blocks (random unless seeded; off gives deterministic audio).
+    ``frames_per_char`` / ``min_frames`` / ``max_frames``: maximum audio length of a sentence, in 2048-sample
+    frames (85.3 ms at 24 kHz), from its character count. ``chunk_frames``: frames per SNAC decode after the
+    first (the first frame is emitted as soon as its 2 right neighbours exist). ``max_sentence_chars``:
+    longer sentences are cut at a comma or space. ``seed``: default sampling seed (None: random).
+    """
+
+    lm: str = "canopylabs/orpheus-3b-0.1-ft"
+    tokenizer: str | None = None
+    snac: str = "hubertsiuzdak/snac_24khz"
+    snac_noise: bool = False
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    device: str = "cpu"
+    layout: TokenLayoutConfig = TokenLayoutConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    loop_guard: LoopGuardConfig = LoopGuardConfig()
+    voices: list[str] = ORPHEUS_VOICES
+    default_voice: str = "tara"
+    tags: list[str] = ORPHEUS_TAGS
+    max_input_chars: int = Field(4096, gt=0)
+    max_sentence_chars: int = Field(300, ge=20)
+    min_speed: float = Field(0.25, gt=0)
+    max_speed: float = Field(4.0, gt=0)
+    frames_per_char: float = Field(1.75, gt=0)
+    min_frames: int = Field(12, ge=1)
+    max_frames: int = Field(1200, ge=1)
+    chunk_frames: int = Field(4, ge=1)
+    seed: int | None = None
+    build: TTSBuild | None = None
+
+    @model_validator(mode="after")
+    def _default_voice_known(self):
+        if self.default_voice not in self.voices:
+            raise ValueError(f"default_voice {self.default_voice!r} is not in voices")
+        return self

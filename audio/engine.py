@@ -1,0 +1,159 @@
+"""The speech engine: text -> sentences -> Orpheus audio tokens -> SNAC frames -> streamed 24 kHz audio.
+
+One :class:`TTSEngine` serves the service, tests, notebooks and benchmarks. Each sentence is generated with the
+constrained sampler and loop guard (:mod:`audio.generate`) and decoded while generating with a 2-left/2-right
+SNAC window (:mod:`audio.snac_stream`); every frame of every sentence is emitted, so nothing is lost at joins.
+Method: Orpheus TTS (canopyai/Orpheus-TTS), SNAC (hubertsiuzdak/snac).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import TTSConfig
+from .formats import SpeedResampler
+from .generate import Cancelled, SentenceReport, generate_frames
+from .layout import TokenLayout
+from .snac_stream import FRAME_SAMPLES, SAMPLE_RATE, StreamingDecoder, load_snac
+from .text import clean_sentence, split_sentences
+from .validate import check_speed, check_text, check_voice
+
+__all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled"]
+
+
+@dataclass
+class SpeechAudio:
+    """A piece of audio: float32 ``(n,)`` samples in [-1, 1] at 24 kHz mono; ``sentence`` its index."""
+
+    audio: np.ndarray
+    sentence: int
+
+
+@dataclass
+class SpeechDone:
+    """End of a synthesis; ``usage`` (JSON-able): ``input_characters``, ``sentences``, ``frames``,
+    ``audio_seconds``, ``stripped_tags`` (tags not read aloud), ``loops`` (per looping sentence:
+    ``sentence``, ``retries``, ``cut_short``), ``generation_seconds``."""
+
+    usage: dict = field(default_factory=dict)
+
+
+def _resolve(model_dir: Path, p: str) -> str:
+    q = Path(p)
+    if q.is_absolute():
+        return str(q)
+    local = Path(model_dir) / q
+    return str(local) if local.exists() else p  # else a hub id
+
+
+class TTSEngine:
+    """Orpheus-layout LM + SNAC 24 kHz decoder.
+
+    ``lm``: a causal LM (``LlamaForCausalLM``, or any module with the same forward/KV-cache signature);
+    ``tokenizer``: its text tokenizer; ``snac``: a ``snac.SNAC`` model. Use :meth:`from_config` to load.
+    """
+
+    def __init__(self, cfg: TTSConfig, lm, tokenizer, snac):
+        self.cfg, self.lm, self.tokenizer, self.snac = cfg, lm, tokenizer, snac
+        self.layout = TokenLayout(cfg.layout)
+
+    @classmethod
+    def from_config(cls, cfg: TTSConfig, model_dir: str | Path) -> "TTSEngine":
+        """Load LM and tokenizer with ``from_pretrained`` and SNAC with ``SNAC.from_pretrained``; relative
+        paths resolve against ``model_dir``. Raises OSError when a checkpoint is missing (run ``chimera prepare``)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        lm_path = _resolve(model_dir, cfg.lm)
+        dtype = getattr(torch, cfg.dtype)
+        lm = AutoModelForCausalLM.from_pretrained(lm_path, dtype=dtype).to(cfg.device).eval()
+        tok = AutoTokenizer.from_pretrained(_resolve(model_dir, cfg.tokenizer) if cfg.tokenizer else lm_path)
+        if lm.config.vocab_size < TokenLayout(cfg.layout).vocab_size_needed:
+            raise ValueError(f"LM vocabulary ({lm.config.vocab_size}) does not hold the token layout")
+        snac = load_snac(_resolve(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
+        return cls(cfg, lm, tok, snac)
+
+    # --- request pieces -------------------------------------------------------------------------------------
+    def prompt(self, voice: str, text: str) -> list[int]:
+        """Prompt ids for ``text`` in ``voice`` (text tokenized alone; special ids added as ids)."""
+        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}").input_ids)
+
+    def max_frames_for(self, text: str) -> int:
+        """Maximum frames of a sentence: ``frames_per_char * len(text)`` within ``[min_frames, max_frames]``."""
+        c = self.cfg
+        return max(c.min_frames, min(c.max_frames, math.ceil(c.frames_per_char * len(text))))
+
+    def split(self, text: str) -> list[str]:
+        """Raw sentences of ``text`` (see :func:`audio.text.split_sentences`)."""
+        return split_sentences(text, self.cfg.max_sentence_chars)
+
+    # --- synthesis ------------------------------------------------------------------------------------------
+    def synthesize(self, text: str, voice: str | None = None, speed: float = 1.0, seed: int | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[SpeechAudio | SpeechDone]:
+        """Validate, split ``text`` into sentences and :meth:`speak` them. Raises SpeechInputError (ValueError)."""
+        check_text(self.cfg, text)
+        return self.speak(self.split(text), voice, speed, seed, cancel=cancel)
+
+    def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0, seed: int | None = None,
+              first_index: int = 0, cancel: threading.Event | None = None) -> Iterator[SpeechAudio | SpeechDone]:
+        """Synthesize raw ``sentences`` in order, yielding :class:`SpeechAudio` as it is decoded and a final
+        :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (so the
+        same text split into any calls gives the same audio). ``cancel`` stops within one token: raises
+        :class:`Cancelled`. Raises SpeechInputError for a bad voice or speed."""
+        voice = check_voice(self.cfg, voice)
+        speed = check_speed(self.cfg, speed)
+        seed = self.cfg.seed if seed is None else seed
+        if seed is None:
+            seed = random.randrange(2**31)
+        return self._speak(sentences, voice, speed, seed, first_index, cancel)
+
+    def _speak(self, sentences, voice, speed, seed, first_index, cancel):
+        t0 = time.perf_counter()
+        usage = {"input_characters": sum(len(s) for s in sentences), "sentences": 0, "frames": 0,
+                 "audio_seconds": 0.0, "stripped_tags": [], "loops": []}
+        resampler = SpeedResampler(speed)
+        n_samples = 0
+        for k, raw in enumerate(sentences):
+            index = first_index + k
+            text, stripped = clean_sentence(raw, self.cfg.tags)
+            usage["stripped_tags"] += stripped
+            if not text:
+                continue
+            usage["sentences"] += 1
+            report = SentenceReport()
+            gen = torch.Generator().manual_seed(seed + index)
+            decoder = StreamingDecoder(self.snac, chunk_frames=self.cfg.chunk_frames)
+            frames = generate_frames(self.lm, self.layout, self.prompt(voice, text), self.cfg.sampling,
+                                     self.cfg.loop_guard, self.max_frames_for(text), gen, cancel, report)
+            for frame in frames:
+                out = resampler.push(decoder.push(frame).numpy())
+                if len(out):
+                    n_samples += len(out)
+                    yield SpeechAudio(out, index)
+            out = resampler.push(decoder.flush().numpy())
+            if len(out):
+                n_samples += len(out)
+                yield SpeechAudio(out, index)
+            usage["frames"] += report.frames
+            if report.loops:
+                usage["loops"].append({"sentence": index, "retries": report.retries, "cut_short": report.cut_short})
+        out = resampler.flush()
+        if len(out):
+            n_samples += len(out)
+            yield SpeechAudio(out, first_index + max(0, len(sentences) - 1))
+        usage["audio_seconds"] = round(n_samples / SAMPLE_RATE, 4)
+        usage["generation_seconds"] = round(time.perf_counter() - t0, 4)
+        yield SpeechDone(usage)
+
+
+def frames_seconds(n_frames: int) -> float:
+    """Duration of ``n_frames`` SNAC frames in seconds (2048 samples at 24 kHz each)."""
+    return n_frames * FRAME_SAMPLES / SAMPLE_RATE

@@ -1,0 +1,180 @@
+"""Audio-token generation for an Orpheus-layout LM: constrained sampling, KV-cache decode, loop guard.
+
+- :class:`AudioPositionLogitsProcessor` allows only the audio ids of the current frame position (and
+  end_of_speech only at a frame boundary), so the token stream can never fall out of frame alignment, whatever
+  the model does. It is combined with transformers' repetition penalty, temperature and top-p processors.
+- :func:`stream_tokens` prefills once and decodes token by token with the KV cache (HF ``DynamicCache``).
+- :func:`find_loop` is the loop guard: "same token 4+ times in a row" (the reference check) can never fire on
+  audio, since each frame position has its own id range, so it looks for repeated frames and short periodic
+  frame patterns instead.
+- :func:`generate_frames` runs one sentence: frames are held back ``window_frames`` frames (what a retry may
+  discard); when the guard fires the sentence is rolled back to where the loop began and resumed with a higher
+  repetition penalty, at most ``max_retries`` times, then cut short there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .config import LoopGuardConfig, SamplingConfig
+from .layout import FrameParser, TokenLayout
+
+
+class Cancelled(Exception):
+    """Generation was cancelled (client went away or asked to stop)."""
+
+
+class AudioPositionLogitsProcessor(LogitsProcessor):
+    """Mask every id except the audio ids of frame position ``n_generated % 7`` (``n_generated`` = tokens after
+    the prompt) and, at a frame boundary, end_of_speech (unless ``allow_end`` is False).
+
+    ``scores``: float ``(batch, vocab)``; returns the masked scores (same shape, -inf elsewhere)."""
+
+    def __init__(self, layout: TokenLayout, prompt_len: int, allow_end: bool = True):
+        self.layout, self.prompt_len, self.allow_end = layout, prompt_len, allow_end
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        pos = (input_ids.shape[1] - self.prompt_len) % self.layout.positions
+        lo, hi = self.layout.position_range(pos)
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, lo:hi] = scores[:, lo:hi]
+        if pos == 0 and self.allow_end:
+            e = self.layout.end_of_speech
+            masked[:, e] = scores[:, e]
+        return masked
+
+
+def make_processors(layout: TokenLayout, prompt_len: int, sampling: SamplingConfig,
+                    allow_end: bool = True) -> LogitsProcessorList:
+    """Position mask, then repetition penalty (Keskar et al. 2019, CTRL), temperature, top-p (Holtzman et al.)."""
+    procs = LogitsProcessorList([AudioPositionLogitsProcessor(layout, prompt_len, allow_end)])
+    if sampling.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.temperature > 0:
+        procs.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_p < 1.0:
+            procs.append(TopPLogitsWarper(sampling.top_p))
+    return procs
+
+
+@torch.inference_mode()
+def stream_tokens(model, input_ids: list[int], prompt_len: int, sampling: SamplingConfig, layout: TokenLayout,
+                  generator: torch.Generator | None = None, allow_end: bool = True) -> Iterator[int]:
+    """Prefill ``input_ids`` (prompt + any audio tokens kept from an earlier attempt), then sample audio token
+    ids one by one (KV cache), forever: the caller stops by closing the iterator. ``prompt_len`` marks where
+    audio starts (frame alignment). Sampling is greedy at temperature 0."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
+    procs = make_processors(layout, prompt_len, sampling, allow_end)
+    cache = DynamicCache()
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    while True:
+        scores = procs(ids, out.logits[:, -1, :].float())
+        if sampling.temperature > 0:
+            probs = torch.softmax(scores, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(dev)
+        else:
+            nxt = scores.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        yield int(nxt)
+        out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def find_loop(frames: list[tuple[int, ...]], window: int, max_period: int) -> int | None:
+    """Loop guard check on the newest frame. If the last ``window`` frames repeat with a period of at most
+    ``max_period`` frames, return the index of the first frame of the periodic run (where the loop began,
+    the first occurrence of the pattern included); else None."""
+    n = len(frames)
+    if n < window:
+        return None
+    for p in range(1, max_period + 1):
+        if all(frames[i] == frames[i - p] for i in range(n - window + p, n)):
+            s = n - window
+            while s > 0 and frames[s - 1] == frames[s - 1 + p]:
+                s -= 1
+            return s
+    return None
+
+
+@dataclass
+class SentenceReport:
+    """What happened to one sentence: ``frames`` generated and kept, ``retries`` after a loop, ``cut_short``
+    when the loop persisted, ``finish`` = ``stop`` (end_of_speech) | ``length`` (max frames) | ``loop``."""
+
+    frames: int = 0
+    retries: int = 0
+    cut_short: bool = False
+    finish: str = "length"
+    loops: list[int] = field(default_factory=list)  # frame index where each detected loop began
+
+
+def generate_frames(model, layout: TokenLayout, prompt: list[int], sampling: SamplingConfig,
+                    guard: LoopGuardConfig, max_frames: int, generator: torch.Generator | None = None,
+                    cancel: threading.Event | None = None,
+                    report: SentenceReport | None = None) -> Iterator[list[int]]:
+    """Yield the frames (lists of 7 SNAC codes) of one sentence, each at most once and never retracted.
+
+    Frames are held back while they are among the newest ``guard.window_frames`` (a loop detected later may
+    start there); all are released at the end. Raises :class:`Cancelled` when ``cancel`` is set (checked
+    every token). ``report`` (a :class:`SentenceReport`) is filled in as it goes."""
+    report = report if report is not None else SentenceReport()
+    hold = guard.window_frames if guard.enabled else 0
+    frames: list[tuple[int, ...]] = []
+    released = 0
+    penalty = sampling.repetition_penalty
+    while True:  # one attempt per iteration (retries resume from the loop start)
+        s = sampling.model_copy(update={"repetition_penalty": penalty})
+        ids = list(prompt) + [t for f in frames for t in layout.frame_ids(list(f))]
+        parser = FrameParser(layout)
+        tokens = stream_tokens(model, ids, len(prompt), s, layout, generator)
+        loop_at = None
+        try:
+            for tok in tokens:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                frame = parser.push(tok)
+                if parser.done:
+                    report.finish = "stop"
+                    break
+                if frame is None:
+                    continue
+                frames.append(tuple(frame))
+                if guard.enabled:
+                    loop_at = find_loop(frames, guard.window_frames, guard.max_period_frames)
+                    if loop_at is not None:
+                        break
+                while released < len(frames) - hold:
+                    yield list(frames[released])
+                    released += 1
+                if len(frames) >= max_frames:
+                    report.finish = "length"
+                    break
+        finally:
+            tokens.close()
+        if loop_at is None:
+            break
+        cut = max(loop_at, released)
+        report.loops.append(cut)
+        del frames[cut:]
+        if report.retries >= guard.max_retries:
+            report.cut_short, report.finish = True, "loop"
+            break
+        report.retries += 1
+        penalty += guard.penalty_step
+    while released < len(frames):
+        yield list(frames[released])
+        released += 1
+    report.frames = len(frames)

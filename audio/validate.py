@@ -1,0 +1,65 @@
+"""Request checks for speech, shared by the HTTP/websocket front end and the engine (no torch import).
+
+Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming the offending parameter.
+"""
+
+from __future__ import annotations
+
+from .config import TTSConfig
+
+RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus")
+STREAM_FORMATS = ("audio", "sse")
+
+
+class SpeechInputError(ValueError):
+    """Bad speech input; ``param`` names the request field (``input``, ``voice``, ``speed`` ...)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_text(cfg: TTSConfig, text) -> str:
+    """``text`` must be a non-blank string of at most ``cfg.max_input_chars`` characters."""
+    if not isinstance(text, str):
+        raise SpeechInputError("'input' must be a string", "input", "invalid_type")
+    if not text.strip():
+        raise SpeechInputError("'input' is empty", "input", "empty_input")
+    if len(text) > cfg.max_input_chars:
+        raise SpeechInputError(f"'input' has {len(text)} characters; the limit is {cfg.max_input_chars}",
+                               "input", "input_too_long")
+    return text
+
+
+def check_voice(cfg: TTSConfig, voice) -> str:
+    """None -> the default voice; else one of ``cfg.voices`` (case-insensitive)."""
+    if voice is None:
+        return cfg.default_voice
+    if not isinstance(voice, str) or voice.lower() not in cfg.voices:
+        raise SpeechInputError(f"unknown voice {voice!r}; available: {', '.join(cfg.voices)}", "voice",
+                               "unknown_voice")
+    return voice.lower()
+
+
+def check_speed(cfg: TTSConfig, speed) -> float:
+    """None -> 1.0; else a number in ``[cfg.min_speed, cfg.max_speed]``."""
+    if speed is None:
+        return 1.0
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (cfg.min_speed <= speed <= cfg.max_speed):
+        raise SpeechInputError(f"'speed' must be a number between {cfg.min_speed} and {cfg.max_speed}, got {speed!r}",
+                               "speed", "invalid_speed")
+    return float(speed)
+
+
+def check_format(response_format, stream_format=None) -> tuple[str, str]:
+    """``response_format`` in :data:`RESPONSE_FORMATS` (None -> ``mp3``, OpenAI's default),
+    ``stream_format`` in :data:`STREAM_FORMATS` (None -> ``audio``). Returns both."""
+    rf = "mp3" if response_format is None else response_format
+    if rf not in RESPONSE_FORMATS:
+        raise SpeechInputError(f"unsupported response_format {response_format!r}; use one of "
+                               f"{', '.join(RESPONSE_FORMATS)}", "response_format", "unsupported_format")
+    sf = "audio" if stream_format is None else stream_format
+    if sf not in STREAM_FORMATS:
+        raise SpeechInputError(f"unsupported stream_format {stream_format!r}; use audio or sse", "stream_format",
+                               "unsupported_format")
+    return rf, sf
