@@ -1,0 +1,526 @@
+"""Block-sparse self-attention for the Wan transformer (diffusers `WanTransformer3DModel`).
+
+What it does, per self-attention call of a denoising step:
+
+1. Tokens arrive frame-major (t, h, w), as Wan's patch embedding flattens them. They are permuted into 3-D
+   tiles (default 2 x 8 x 8 = 128 tokens; the first latent frame is tiled on its own, 1 x 8 x 8), so that 128
+   consecutive tokens -- one *block* -- form a spatio-temporal neighbourhood. The sequence is padded at the end
+   to a whole number of blocks; padded keys are masked out, padded queries dropped.
+2. Each block's queries and keys are mean-pooled; the pooled Q.K^T score ranks the key blocks for each query
+   block, per head. Kept: the top-k key blocks (k = round(sparsity * blocks)), plus always the diagonal block
+   (the query's own neighbourhood) and every block holding the first latent frame (Wan's VAE gives the first
+   latent frame to one pixel frame; every later frame attends to it heavily -- an "attention sink").
+3. `torch.nn.attention.flex_attention` runs with that `BlockMask`. Compiled (`torch.compile`), it skips masked
+   blocks on CPU and GPU alike; eager flex computes densely and is only a reference. No CUDA-only code.
+4. The output is permuted back to frame-major order. Cross-attention (`encoder_hidden_states` given), the first
+   `dense_fraction` of denoising steps, and `dense_layers` run diffusers' dense processor unchanged.
+
+At sparsity 1.0 every block is kept and the result equals dense attention (to float rounding).
+
+Where the ideas come from, and what we take from each:
+- Sparse VideoGen (Xi et al. 2025, arXiv:2502.01776, github.com/svg-project/Sparse-VideoGen): spatial and
+  temporal heads in video DiTs; keep the first ~25% of denoising steps (and optionally first layers) dense;
+  the first frame as a sink every token attends to. We take the dense warm-up steps, dense layers and the
+  always-kept first frame.
+- SVG2 (Yang et al. 2025, arXiv:2505.18875): semantic-aware permutation, so that a block gathers similar
+  tokens before top-k block selection on pooled (centroid) scores. We take pooled-score top-k block selection;
+  our permutation is geometric (3-D tiles), not k-means.
+- Radial Attention (Li et al. 2025, arXiv:2506.19852): attention energy decays with spatio-temporal distance,
+  so a static mask concentrated near the diagonal loses little. We take "always keep the local/diagonal block";
+  we do not use its static O(n log n) mask shape.
+- Sliding Tile Attention (Zhang et al. 2025, arXiv:2502.04507) and VSA (arXiv:2505.13389,
+  github.com/hao-ai-lab/FastVideo): permute tokens into 3-D tiles so that a hardware block is a cube of
+  the video; VSA's coarse stage pools each tile and picks top-k tiles. We take the tile permutation and the
+  pooled coarse stage; VSA's trained gating (it needs fine-tuning) we do not.
+- NABLA (Mikhailov et al. 2025, arXiv:2507.13546): adaptive block mask from pooled Q/K with flex_attention
+  block masks, no custom kernel. We take the flex_attention BlockMask implementation route; NABLA picks blocks
+  by a cumulative-probability threshold, we use a fixed kept fraction (so cost is predictable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_wan import (
+    WanAttnProcessor,
+    _get_qkv_projections,
+)
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+logger = logging.getLogger(__name__)
+
+Grid = tuple[int, int, int]
+
+
+class SparseAttentionConfig(BaseModel):
+    """Defaults of the sparse self-attention; every field can be overridden per request in `begin()`.
+
+    - `sparsity`: fraction of key blocks kept per query block, in (0, 1]; 1.0 means dense.
+    - `tile`: (t, h, w) tile shape in latent tokens (after Wan's 1x2x2 patching); its volume is the block size.
+    - `dense_fraction`: fraction of the denoising steps, from the first, that run dense (Sparse VideoGen: ~25%).
+    - `dense_layers`: indices of transformer blocks whose self-attention always runs dense.
+    - `compile`: use `torch.compile(flex_attention)` (skips masked blocks); False runs eager flex (dense compute,
+      a reference only).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    sparsity: float = Field(0.125, gt=0.0, le=1.0)
+    tile: tuple[PositiveInt, PositiveInt, PositiveInt] = (2, 8, 8)
+    dense_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    dense_layers: list[int] = Field(default_factory=list)
+    compile: bool = True
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the tile volume."""
+        return math.prod(self.tile)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3-D tile permutation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def tile_permutation(grid: Grid, tile: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order of frame-major tokens after grouping them into 3-D tiles (Sliding Tile Attention / VSA layout).
+
+    Args:
+        grid: (frames, height, width) of the latent token grid, e.g. (21, 30, 52) for Wan2.1 at 480x832x81.
+        tile: (t, h, w) tile shape. The first latent frame is tiled on its own with (1, h, w); frames 1.. with
+            (t, h, w). Edge tiles are cut short (no padding inside the sequence).
+
+    Returns:
+        `perm` (int64 [N], N = prod(grid)): `x_tiled = x[..., perm, :]` for frame-major `x`, and its inverse
+        `inv` (int64 [N]): `x = x_tiled[..., inv, :]`. Frame-0 tokens come first, i.e. `perm[:h*w]` is frame 0.
+
+    Raises:
+        ValueError: if a grid or tile dimension is not positive.
+    """
+    if min(grid) < 1 or min(tile) < 1:
+        raise ValueError(f"grid {grid} and tile {tile} must be positive")
+    T, H, W = grid
+    index = torch.arange(T * H * W).view(T, H, W)
+    parts = [_tile_order(index[:1], (1, tile[1], tile[2]))]
+    if T > 1:
+        parts.append(_tile_order(index[1:], tile))
+    perm = torch.cat(parts)
+    return perm, torch.argsort(perm)
+
+
+def _tile_order(index: torch.Tensor, tile: Grid) -> torch.Tensor:
+    """Frame-major indices `index` (int64 [t, h, w]) listed tile by tile, each tile in (t, h, w) order."""
+    pads = [(-s) % ts for s, ts in zip(index.shape, tile)]
+    padded = F.pad(index, (0, pads[2], 0, pads[1], 0, pads[0]), value=-1)
+    (nt, nh, nw), (tt, th, tw) = [s // ts for s, ts in zip(padded.shape, tile)], tile
+    order = padded.view(nt, tt, nh, th, nw, tw).permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    return order[order >= 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block selection and BlockMask
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def select_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    sparsity: float,
+    forced_cols: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Pick, per query block and head, the key blocks to compute (pooled-score top-k, as in VSA / SVG2 / NABLA).
+
+    Args:
+        query, key: [B, H, S_pad, D] (any float dtype), already tile-permuted and padded to a multiple of
+            `block_size` (S_pad = n_blocks * block_size); positions >= `seq_len` are padding (ignored in pooling).
+        seq_len: number of real tokens.
+        block_size: tokens per block.
+        sparsity: kept fraction of key blocks in (0, 1].
+        forced_cols: bool [n_blocks], key blocks every query block keeps (the first latent frame); the diagonal
+            block is always kept as well.
+
+    Returns:
+        `(indices, n_keep)`: int32 [B, H, n_blocks, n_blocks] whose first `n_keep` entries per row are the kept
+        key blocks in ascending order (the rest is filler), and `n_keep` = max(round(sparsity * n_blocks),
+        forced blocks per row), at most n_blocks.
+
+    Raises:
+        ValueError: if `sparsity` is outside (0, 1] or the padded length is not a multiple of `block_size`.
+    """
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in (0, 1], got {sparsity}")
+    B, H, S_pad, D = query.shape
+    if S_pad % block_size:
+        raise ValueError(f"padded length {S_pad} is not a multiple of block_size {block_size}")
+    nb = S_pad // block_size
+    counts = torch.full((nb,), float(block_size), device=query.device)
+    counts[-1] = seq_len - (nb - 1) * block_size
+    pooled_q = query.float().view(B, H, nb, block_size, D).sum(-2) / counts[:, None]
+    pooled_k = key.float().view(B, H, nb, block_size, D).sum(-2) / counts[:, None]
+    score = pooled_q @ pooled_k.transpose(-1, -2)  # [B, H, nb, nb]
+
+    forced = torch.eye(nb, dtype=torch.bool, device=query.device)
+    if forced_cols is not None:
+        forced = forced | forced_cols.to(query.device)[None, :]
+    n_keep = min(nb, max(round(sparsity * nb), int(forced.sum(-1).max())))
+    score = score.masked_fill(forced, float("inf"))
+    kept = score.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+    filler = torch.zeros(B, H, nb, nb - n_keep, dtype=kept.dtype, device=kept.device)
+    return torch.cat([kept, filler], dim=-1).to(torch.int32), n_keep
+
+
+def make_block_mask(indices: torch.Tensor, n_keep: int, seq_len: int, block_size: int) -> BlockMask:
+    """flex_attention `BlockMask` from `select_blocks` output.
+
+    Args:
+        indices: int32 [B, H, n_blocks, n_blocks], first `n_keep` per row are kept key blocks (ascending).
+        n_keep: kept blocks per row.
+        seq_len: real tokens; keys at positions >= seq_len are masked.
+        block_size: tokens per block (same for queries and keys).
+
+    Returns:
+        BlockMask over [n_blocks * block_size]^2. Kept blocks that hold no padding are "full" blocks, computed
+        without evaluating the mask; the last block, when it holds padding, is a partial block. The mask_mod
+        (kept block and real key) defines the same mask element-wise, so eager flex, which ignores the block
+        structure and evaluates mask_mod everywhere, computes the same attention.
+    """
+    B, H, nb, _ = indices.shape
+    kept = torch.zeros(B, H, nb, nb, dtype=torch.bool, device=indices.device)
+    kept.scatter_(-1, indices[..., :n_keep].long(), True)
+    num = torch.full((B, H, nb), n_keep, dtype=torch.int32, device=indices.device)
+    if seq_len < nb * block_size:
+        # Rows are sorted ascending, so the last (padded) block, when kept, sits at position n_keep - 1.
+        partial_num = (indices[..., n_keep - 1] == nb - 1).to(torch.int32)
+    else:
+        partial_num = torch.zeros_like(num)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kept[b, h, q_idx // block_size, kv_idx // block_size] & (kv_idx < seq_len)
+
+    return BlockMask.from_kv_blocks(
+        partial_num, torch.full_like(indices, nb - 1), num - partial_num, indices, BLOCK_SIZE=block_size,
+        mask_mod=mask_mod, seq_lengths=(nb * block_size, nb * block_size),
+    )
+
+
+_compiled_flex = None
+
+
+def _flex(compiled: bool):
+    """`flex_attention`, compiled once per process on first use when `compiled`."""
+    global _compiled_flex
+    if not compiled:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def block_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grid: Grid,
+    sparsity: float,
+    tile: Grid = (2, 8, 8),
+    compiled: bool = True,
+) -> torch.Tensor:
+    """Self-attention over the tile-permuted block-sparse mask; drop-in for `F.scaled_dot_product_attention`.
+
+    Args:
+        query, key, value: [B, H, N, D], frame-major tokens with N = prod(grid) (float32, bfloat16 or float16).
+        grid: (frames, height, width) of the latent token grid.
+        sparsity: kept fraction of key blocks in (0, 1]; 1.0 computes every block (equals dense attention).
+        tile: (t, h, w) tile shape; its volume is the block size.
+        compiled: compiled flex_attention (skips masked blocks) or eager flex (dense compute, reference).
+
+    Returns:
+        [B, H, N, D] attention output, frame-major, dtype of `query`. Softmax scale 1/sqrt(D).
+
+    Raises:
+        ValueError: if N != prod(grid) or `sparsity` is outside (0, 1].
+    """
+    B, H, N, D = query.shape
+    if N != math.prod(grid):
+        raise ValueError(f"sequence length {N} does not match the latent grid {grid}")
+    perm, inv = (t.to(query.device) for t in tile_permutation(tuple(grid), tuple(tile)))
+    block_size = math.prod(tile)
+    nb = -(-N // block_size)
+    pad = nb * block_size - N
+    q, k, v = (F.pad(x.index_select(2, perm), (0, 0, 0, pad)) for x in (query, key, value))
+
+    first_frame_blocks = -(-(grid[1] * grid[2]) // block_size)  # frame 0 is tiled first: blocks [0, this)
+    forced_cols = torch.arange(nb, device=query.device) < first_frame_blocks
+    indices, n_keep = select_blocks(q, k, N, block_size, sparsity, forced_cols)
+    mask = make_block_mask(indices, n_keep, N, block_size)
+    out = _flex(compiled)(q, k, v, block_mask=mask)
+    return out[:, :, :N].index_select(2, inv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processor + controller
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SparseState:
+    """What the processors of one transformer share: the request's options and where denoising stands.
+
+    `grid` (latent frames, height, width in tokens) and `step` are set by the transformer's forward pre-hook;
+    `sparsity` None means dense everywhere. Counters tell tests which path ran.
+    """
+
+    config: SparseAttentionConfig
+    sparsity: float | None = None
+    tile: Grid = (2, 8, 8)
+    dense_steps: int = 0
+    dense_layers: frozenset[int] = frozenset()
+    grid: Grid | None = None
+    step: int = -1
+    last_timestep: float | None = None
+    sparse_calls: int = 0
+    dense_calls: int = 0
+    warned: set = field(default_factory=set)
+
+    def sparse_now(self, layer_index: int) -> bool:
+        """True when layer `layer_index` runs sparse at the current step."""
+        return (
+            self.sparsity is not None
+            and self.step >= self.dense_steps
+            and layer_index not in self.dense_layers
+        )
+
+
+def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding, exactly as diffusers' `WanAttnProcessor` applies it. x: [B, N, H, D]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanSparseAttnProcessor(WanAttnProcessor):
+    """`WanAttnProcessor` whose self-attention is block-sparse (see the module docstring for the method).
+
+    Cross-attention (`encoder_hidden_states` given), attention with an explicit mask, dense steps, dense layers,
+    and calls whose token count does not match the recorded latent grid run the parent's dense code unchanged.
+
+    Args:
+        state: the `SparseState` shared by all processors of a transformer.
+        layer_index: index of the transformer block this processor serves (for `dense_layers`).
+
+    Call shapes: hidden_states [B, N, C] (N = frames * height * width latent tokens, frame-major),
+    rotary_emb (cos, sin) each [1, N, 1, head_dim]; returns [B, N, C] in hidden_states' dtype.
+    """
+
+    def __init__(self, state: SparseState, layer_index: int = 0):
+        super().__init__()
+        self.state = state
+        self.layer_index = layer_index
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        state = self.state
+        usable = (
+            encoder_hidden_states is None
+            and attention_mask is None
+            and attn.add_k_proj is None
+            and state.grid is not None
+            and math.prod(state.grid) == hidden_states.shape[1]
+        )
+        if not (usable and state.sparse_now(self.layer_index)):
+            if encoder_hidden_states is None:
+                state.dense_calls += 1
+                if state.sparsity is not None and not usable and "grid" not in state.warned:
+                    state.warned.add("grid")
+                    logger.warning("sparse attention: token count %d does not match grid %s; running dense",
+                                   hidden_states.shape[1], state.grid)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        out = block_sparse_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            grid=state.grid, sparsity=state.sparsity, tile=state.tile, compiled=state.config.compile,
+        )
+        state.sparse_calls += 1
+        hidden_states = out.transpose(1, 2).flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+class WanSparseAttention:
+    """Installs `WanSparseAttnProcessor` on a `WanTransformer3DModel` and tracks the latent grid and the step.
+
+    Usage (one generation at a time per transformer)::
+
+        sparse = WanSparseAttention.install(pipe.transformer, SparseAttentionConfig())
+        with sparse.session(num_inference_steps=30, sparsity=0.125):
+            frames = pipe(..., num_inference_steps=30).frames
+
+    A forward pre-hook on the transformer reads the latent shape [B, C, F, H, W] (-> token grid F/p_t x H/p_h x
+    W/p_w) and counts denoising steps by changes of the timestep (classifier-free guidance calls the transformer
+    twice with the same timestep; it counts once). Several transformers (Wan2.2's `transformer_2`) can share one
+    controller: pass `state=` of the first to `install` the second.
+    """
+
+    def __init__(self, state: SparseState):
+        self.state = state
+        self._installed: list[tuple[torch.nn.Module, object, dict]] = []
+
+    @classmethod
+    def install(
+        cls, transformer: torch.nn.Module, config: SparseAttentionConfig | None = None, state: SparseState | None = None
+    ) -> "WanSparseAttention":
+        """Replace every attention processor of `transformer` with a `WanSparseAttnProcessor`; returns the controller.
+
+        Args:
+            transformer: a diffusers `WanTransformer3DModel`.
+            config: defaults for sessions; `SparseAttentionConfig()` if None.
+            state: share the state of another controller (for a second transformer of the same pipeline).
+        """
+        state = state or SparseState(config=config or SparseAttentionConfig())
+        controller = cls(state)
+        controller.add(transformer)
+        return controller
+
+    def add(self, transformer: torch.nn.Module) -> None:
+        """Install the processors and the pre-hook on one more transformer sharing this controller's state."""
+        original = dict(transformer.attn_processors)
+        processors = {}
+        for name in original:
+            layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+            processors[name] = WanSparseAttnProcessor(self.state, layer)
+        transformer.set_attn_processor(processors)
+        patch = tuple(transformer.config.patch_size)
+        hook = transformer.register_forward_pre_hook(
+            lambda module, args, kwargs: self._observe(patch, args, kwargs), with_kwargs=True
+        )
+        self._installed.append((transformer, hook, original))
+
+    def remove(self) -> None:
+        """Put the processors found at install time back and drop the hooks."""
+        for transformer, hook, original in self._installed:
+            hook.remove()
+            transformer.set_attn_processor(original)
+        self._installed.clear()
+
+    def _observe(self, patch: tuple[int, int, int], args: tuple, kwargs: dict) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        if hidden is not None:
+            _, _, f, h, w = hidden.shape
+            self.state.grid = (f // patch[0], h // patch[1], w // patch[2])
+        if timestep is not None:
+            t = float(torch.as_tensor(timestep).float().max())
+            if t != self.state.last_timestep:
+                self.state.step += 1
+                self.state.last_timestep = t
+
+    def begin(
+        self,
+        num_inference_steps: int | None = None,
+        sparsity: float | None = None,
+        tile: Grid | None = None,
+        dense_fraction: float | None = None,
+        dense_layers: list[int] | None = None,
+        full_is_dense: bool = True,
+    ) -> None:
+        """Start a generation with per-request options (None = the config's default).
+
+        Args:
+            num_inference_steps: denoising steps of this generation; the first
+                round(dense_fraction * num_inference_steps) run dense. None: no dense warm-up.
+            sparsity: kept fraction in (0, 1]. With `full_is_dense` (default), 1.0 runs diffusers' dense path;
+                False routes 1.0 through flex_attention with every block kept (exactness checks).
+            tile, dense_fraction, dense_layers: as in `SparseAttentionConfig`.
+
+        Raises:
+            ValueError: on an out-of-range option (pydantic validation of the merged config).
+        """
+        cfg = self.state.config
+        merged = SparseAttentionConfig(
+            sparsity=cfg.sparsity if sparsity is None else sparsity,
+            tile=cfg.tile if tile is None else tuple(tile),
+            dense_fraction=cfg.dense_fraction if dense_fraction is None else dense_fraction,
+            dense_layers=cfg.dense_layers if dense_layers is None else list(dense_layers),
+            compile=cfg.compile,
+        )
+        s = self.state
+        s.sparsity = None if (merged.sparsity >= 1.0 and full_is_dense) else merged.sparsity
+        s.tile = merged.tile
+        s.dense_steps = round(merged.dense_fraction * num_inference_steps) if num_inference_steps else 0
+        s.dense_layers = frozenset(merged.dense_layers)
+        s.step, s.last_timestep, s.grid = -1, None, None
+        s.sparse_calls = s.dense_calls = 0
+
+    def end(self) -> None:
+        """Back to dense until the next `begin` (the processors stay installed)."""
+        self.state.sparsity = None
+
+    @contextlib.contextmanager
+    def session(self, **options):
+        """`begin(**options)` ... `end()` as a context manager."""
+        self.begin(**options)
+        try:
+            yield self.state
+        finally:
+            self.end()
+
+
+@contextlib.contextmanager
+def sparse_attention(
+    transformers: torch.nn.Module | list[torch.nn.Module],
+    sparsity: float | None = None,
+    num_inference_steps: int | None = None,
+    config: SparseAttentionConfig | None = None,
+    **options,
+):
+    """Run a generation with block-sparse self-attention; diffusers' dense processors are back afterwards.
+
+    What the video engine wraps each job in::
+
+        with sparse_attention(pipe.transformer, sparsity=0.125, num_inference_steps=40):
+            pipe(...)
+
+    Args:
+        transformers: one `WanTransformer3DModel` or several sharing the schedule (Wan2.2 A14B's two experts).
+        sparsity: kept fraction in (0, 1] (None: the config's); 1.0 runs dense.
+        num_inference_steps: steps of the generation (for the dense warm-up fraction).
+        config: defaults (`SparseAttentionConfig()` if None).
+        options: other per-request overrides of `WanSparseAttention.begin` (tile, dense_fraction, dense_layers).
+
+    Yields the shared `SparseState` (counters tell which path ran). Raises ValueError on invalid options.
+    """
+    if isinstance(transformers, torch.nn.Module):
+        transformers = [transformers]
+    controller = None
+    try:
+        for transformer in transformers:
+            if controller is None:
+                controller = WanSparseAttention.install(transformer, config)
+            else:
+                controller.add(transformer)
+        with controller.session(num_inference_steps=num_inference_steps, sparsity=sparsity, **options) as state:
+            yield state
+    finally:
+        if controller is not None:
+            controller.remove()
