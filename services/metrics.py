@@ -25,3 +25,12 @@ ITL = Histogram("chimera_inter_token_latency_seconds", "Time between consecutive
                 registry=REGISTRY)
 TOKENS = Counter("chimera_generated_tokens_total", "Completion tokens generated", ["model"], registry=REGISTRY)
 ACTIVE_CHAT = Gauge("chimera_chat_streams_active", "Chat completions being generated", ["model"], registry=REGISTRY)
+
+# --- video jobs (owned by the video family) ------------------------------------------------------------------
+VIDEO_JOBS = Counter("chimera_video_jobs_created_total", "Video jobs accepted (creations and extensions)",
+                     registry=REGISTRY)
+VIDEO_QUEUE = Gauge("chimera_video_queue_length", "Video jobs queued or running (as last seen by the ingress)",
+                    registry=REGISTRY)
+VIDEO_JOB_SECONDS = Histogram("chimera_video_job_duration_seconds",
+                              "Video job duration from creation to completion/failure (s)", ["status"],
+                              buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600), registry=REGISTRY)

@@ -105,7 +105,6 @@ class VideoBuild(_Strict):
     transformer: TransformerBuild = TransformerBuild()
     vae: VAEBuild = VAEBuild()
     text_encoder: TextEncoderBuild = TextEncoderBuild()
-    max_sequence_length: int = 64
     seed: int = 0
 
 

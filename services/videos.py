@@ -1,0 +1,297 @@
+"""Video generation jobs: ``/v1/videos`` (OpenAI Videos API shape; vLLM-Omni field names accepted).
+
+The router parses JSON or multipart bodies (the ``openai`` SDK sends multipart with ``input_reference`` as a
+file, and ``video[id]`` for extensions) and calls the ``Deployment``, which validates the request against
+the profile (:func:`video.request.plan_request`) before anything is queued, then hands it to the
+:class:`services.jobs.JobManager` actor. Job state lives in the manager's store, not in this replica.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+
+from . import metrics
+from .app import check_model
+from .backends import Backend
+from .errors import APIError, unwrap
+from .profiles import FamilySection, Profile
+
+_TERMINAL = ("completed", "failed", "cancelled")
+
+
+class Deployment:
+    """Ray Serve deployment of the video family: validation and the door to the job-manager actor.
+
+    It loads no model itself (each job's Ray task loads the engine, on its own GPU in GPU profiles).
+    Errors: RequestError/MediaError (400/413/415) on bad input, JobError (404/409/429) from the manager.
+    """
+
+    def __init__(self, section: dict, model_dir: str):
+        from video.config import VideoConfig
+
+        from .jobs import get_manager
+
+        self.section = FamilySection[VideoConfig].model_validate(section)
+        self.cfg = self.section.engine
+        self.model_dir = model_dir
+        self.manager = get_manager(self.cfg.model_dump(mode="json"), model_dir, self.section.model_id)
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self.manager, method).remote(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the manager's JobError, unwrapped from Ray's wrapper
+            raise unwrap(exc) from None
+
+    async def ready(self) -> bool:
+        """True once the job manager answers (it recovers interrupted jobs on first contact)."""
+        return bool(await self._call("ping"))
+
+    async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None) -> dict:
+        """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (any format
+        Pillow reads; stored as PNG). Returns the Video object (status ``queued``)."""
+        from video.media import load_image
+        from video.request import plan_request
+
+        req = plan_request(self.cfg, fields, has_image=image is not None)
+        png = None
+        if image is not None:
+            lim = self.cfg.limits
+            img = load_image(image, lim.max_image_bytes, lim.max_image_pixels)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            png = buf.getvalue()
+        return await self._call("create", req.to_dict(), image_png=png, idempotency_key=idempotency_key,
+                                seconds_label=_seconds_label(req.duration_s))
+
+    async def extend(self, fields: dict, video_id: str | None = None, video: bytes | None = None,
+                     idempotency_key: str | None = None) -> dict:
+        """Queue an extension of a completed video (``video_id``) or of an uploaded video file (``video``):
+        its first clip starts from the source's last frame; the result is the source with the extension
+        appended. ``fields``: ``prompt``, ``seconds`` (of the extension) and optional generation fields."""
+        from video.drift import color_stats
+        from video.media import MediaError, decode_video
+        from video.request import plan_request
+
+        if video_id is not None:
+            src = await self._call("extension_source", video_id)
+            base = {k: src["params"][k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt")}
+            base.update(width=src["width"], height=src["height"], fps=src["fps"],
+                        num_frames=src["params"]["frames_per_clip"])
+            req = plan_request(self.cfg, {**base, **_only(fields, _EXTEND_FIELDS)})
+            total = float(src["seconds"] or 0) + req.duration_s
+            return await self._call("create", req.to_dict(), extend_from=src, idempotency_key=idempotency_key,
+                                    seconds_label=_seconds_label(total))
+        if video is None:
+            raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video")
+        if len(video) > self.cfg.limits.max_video_bytes:
+            raise MediaError(f"video is {len(video)} bytes, the limit is {self.cfg.limits.max_video_bytes}", 413,
+                             "video")
+        import numpy as np
+        import torch
+
+        frames, fps = decode_video(video, max_frames=self.cfg.limits.max_clips * self.cfg.limits.max_frames_per_clip)
+        h, w = frames.shape[1:3]
+        req = plan_request(self.cfg, {"fps": max(1, round(fps)) if fps else None, **_only(fields, _EXTEND_FIELDS),
+                                      "width": w, "height": h})
+        floats = torch.from_numpy(frames[: req.frames_per_clip]).permute(0, 3, 1, 2).float() / 255
+        last = torch.from_numpy(frames[-1]).permute(2, 0, 1).float().numpy() / 255
+        upload = {"video": video, "last_frame": np.asarray(last, dtype=np.float32),
+                  "reference": color_stats(floats).to_dict()}
+        total = len(frames) / req.fps + req.duration_s
+        return await self._call("create", req.to_dict(), upload=upload, idempotency_key=idempotency_key,
+                                seconds_label=_seconds_label(total))
+
+    async def get(self, video_id: str) -> dict:
+        """The Video object (404 if unknown)."""
+        return await self._call("get", video_id)
+
+    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        """Videos newest first (cursor ``after``)."""
+        return await self._call("list", limit, after, order)
+
+    async def content(self, video_id: str, variant: str = "video") -> bytes:
+        """MP4 or PNG bytes (409 unless completed)."""
+        return await self._call("content", video_id, variant)
+
+    async def delete(self, video_id: str) -> dict:
+        """Cancel (freeing its worker) and delete a job and its files (404 if unknown or already deleted)."""
+        return await self._call("delete", video_id)
+
+    async def record(self, video_id: str) -> dict:
+        """The raw job record (params, device): operations and tests."""
+        return await self._call("record", video_id)
+
+
+_EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
+                  "drift_correction", "sparsity")
+
+
+def _only(fields: dict, keys) -> dict:
+    return {k: v for k, v in fields.items() if k in keys}
+
+
+def _seconds_label(s: float) -> str:
+    return f"{s:g}"
+
+
+async def _read_body(request: Request, file_fields: tuple[str, ...], max_bytes: int) -> tuple[dict, dict]:
+    """JSON or multipart/urlencoded body -> (fields, files). Files are read up to ``max_bytes`` (413 beyond)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form(max_part_size=max_bytes)
+        except Exception as exc:  # noqa: BLE001 - malformed multipart
+            raise APIError(400, f"could not parse the form body: {exc}") from None
+        fields, files = {}, {}
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                data = await value.read(max_bytes + 1)
+                if len(data) > max_bytes:
+                    raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="file_too_large")
+                files[key] = data
+            else:
+                fields[key] = value
+        return fields, files
+    if ctype in ("application/json", ""):
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"body is not valid JSON: {exc.msg}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "body must be a JSON object")
+        return body, {}
+    raise APIError(415, f"unsupported content type {ctype!r} (use application/json or multipart/form-data)")
+
+
+def _data_url_bytes(url: str, param: str) -> bytes:
+    import base64
+    import binascii
+
+    if not url.startswith("data:") or ";base64," not in url:
+        raise APIError(400, f"{param}: only base64 data URLs are accepted", param=param, code="invalid_image_url")
+    try:
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{param}: invalid base64 data", param=param) from None
+
+
+def _observe(obj: dict, seen: set) -> dict:
+    if obj.get("status") in _TERMINAL and obj["id"] not in seen and obj.get("completed_at"):
+        seen.add(obj["id"])
+        if len(seen) > 10000:
+            seen.clear()
+        metrics.VIDEO_JOB_SECONDS.labels(obj["status"]).observe(max(0, obj["completed_at"] - obj["created_at"]))
+    return obj
+
+
+def make_router(section: FamilySection, backend: Backend, profile: Profile) -> APIRouter:
+    """The ``/v1/videos`` endpoints of the video family (see the HTTP contract)."""
+    router = APIRouter(tags=["videos"])
+    limits = section.engine.limits
+    seen: set[str] = set()
+
+    def key_of(request: Request) -> str | None:
+        k = request.headers.get("idempotency-key")
+        if k is not None and not (0 < len(k) <= 256):
+            raise APIError(400, "Idempotency-Key must be 1-256 characters", param="Idempotency-Key")
+        return k
+
+    async def refresh_queue():
+        page = await backend.call("list", 100)
+        metrics.VIDEO_QUEUE.set(sum(1 for v in page["data"] if v["status"] in ("queued", "in_progress")))
+
+    @router.post("/v1/videos")
+    async def create_video(request: Request):
+        """Create a generation job (text-to-video, or image-to-video with ``input_reference``)."""
+        fields, files = await _read_body(request, ("input_reference",), limits.max_image_bytes)
+        if "prompt" not in fields:
+            raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+        check_model(profile, "video", fields.get("model"))
+        image = files.pop("input_reference", None)
+        ref = fields.pop("input_reference", None)
+        if image is None and ref is not None:
+            if isinstance(ref, str):
+                try:
+                    ref = json.loads(ref)
+                except json.JSONDecodeError:
+                    ref = {"image_url": ref}
+            if not isinstance(ref, dict) or not ref.get("image_url"):
+                raise APIError(400, "input_reference must be an image file or {\"image_url\": <data URL>}",
+                               param="input_reference")
+            image = _data_url_bytes(ref["image_url"], "input_reference")
+        if files:
+            raise APIError(400, f"unexpected file field(s): {', '.join(files)}", param=next(iter(files)))
+        obj = await backend.call("create", fields, image, key_of(request))
+        metrics.VIDEO_JOBS.inc()
+        await refresh_queue()
+        return obj
+
+    @router.post("/v1/videos/extensions")
+    async def extend_video(request: Request):
+        """Continue a completed video (``video: {"id": ...}``) or an uploaded video file from its last frame."""
+        fields, files = await _read_body(request, ("video",), limits.max_video_bytes)
+        for name in ("prompt", "seconds"):
+            if name not in fields:
+                raise APIError(400, f"{name} is required", param=name, code="missing_required_parameter")
+        video_id = fields.pop("video[id]", None)
+        v = fields.pop("video", None)
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                v = {"id": v}
+        if isinstance(v, dict):
+            video_id = v.get("id") or video_id
+        elif v is not None:
+            raise APIError(400, "video must be {\"id\": <video id>} or a video file", param="video")
+        data = files.pop("video", None)
+        if video_id is None and data is None:
+            raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video")
+        obj = await backend.call("extend", fields, video_id, data if video_id is None else None, key_of(request))
+        metrics.VIDEO_JOBS.inc()
+        await refresh_queue()
+        return obj
+
+    @router.get("/v1/videos")
+    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
+        """Videos, newest first (``order=asc`` oldest first); ``after`` is the last id of the previous page."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be between 1 and 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        page = await backend.call("list", limit, after, order)
+        for v in page["data"]:
+            _observe(v, seen)
+        return page
+
+    @router.get("/v1/videos/{video_id}")
+    async def get_video(video_id: str):
+        """One video job."""
+        return _observe(await backend.call("get", video_id), seen)
+
+    @router.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, variant: str = "video"):
+        """The MP4 (``variant=video``) or PNG thumbnail (``variant=thumbnail``); 409 until completed."""
+        if variant not in ("video", "thumbnail"):
+            raise APIError(400, f"variant {variant!r} is not supported (video | thumbnail)", param="variant")
+        data = await backend.call("content", video_id, variant)
+        media = "video/mp4" if variant == "video" else "image/png"
+        ext = "mp4" if variant == "video" else "png"
+        return Response(data, media_type=media,
+                        headers={"Content-Disposition": f'attachment; filename="{video_id}.{ext}"'})
+
+    @router.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str):
+        """Cancel (if queued or running; its GPU is freed) and delete the job and its files."""
+        out = await backend.call("delete", video_id)
+        await refresh_queue()
+        return JSONResponse(out)
+
+    return router
