@@ -31,7 +31,7 @@ class Deployment:
 
     ``chat_stream(request)`` is an async generator of events: ``{"type": "start", "prompt_tokens"}``, then
     ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
-    Input errors (PromptError, ImageInputError) are raised before the first event. Closing the generator
+    Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead. Closing the generator
     (client gone) stops generation before the next decode step.
     """
 
@@ -54,9 +54,13 @@ class Deployment:
     async def chat_stream(self, request: dict[str, Any]):
         """Prepare and generate an answer to ``request`` (messages + sampling fields), streaming events."""
         engine = self.engine
-        prompt = await asyncio.to_thread(engine.prepare, request["messages"])
-        params = engine.sampling_params(request.get("max_tokens"), request.get("temperature"), request.get("top_p"),
-                                        request.get("seed"), request.get("stop"))
+        try:
+            prompt = await asyncio.to_thread(engine.prepare, request["messages"])
+            params = engine.sampling_params(request.get("max_tokens"), request.get("temperature"),
+                                            request.get("top_p"), request.get("seed"), request.get("stop"))
+        except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
+            yield input_error_event(exc)
+            return
         yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -86,6 +90,18 @@ class Deployment:
             finally:
                 cancel.set()
                 await asyncio.to_thread(thread.join, 30)
+
+
+def input_error_event(exc: Exception) -> dict:
+    """An input error as a stream event: ``{"type": "error", "status", "message", "param", "code"}``."""
+    return {"type": "error", "status": getattr(exc, "status_code", 400), "message": str(exc),
+            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}
+
+
+def raise_if_error_event(event: dict) -> None:
+    """Raise the APIError carried by an ``error`` event (see :func:`input_error_event`)."""
+    if event.get("type") == "error":
+        raise APIError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))
 
 
 class ChatRequest(BaseModel):
@@ -144,6 +160,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         stream = backend.stream("chat_stream", payload)
         try:
             start = await stream.__anext__()
+            raise_if_error_event(start)
         except Exception as exc:  # noqa: BLE001 - input errors surface here, before any byte is sent
             await stream.aclose()
             raise to_api_error(exc) from None

