@@ -1,0 +1,128 @@
+"""Service overhead: HTTP (Ray Serve + FastAPI + openai SDK) latency vs the in-process engine, same request.
+
+Starts ``chimera serve`` as a subprocess on a free port, then alternates the same image-QA request (a real
+photograph, greedy, fixed answer length) in-process and over HTTP, and prints the median latency of each and
+their ratio (target <= 1.15), plus the resident memory of the whole service process tree (target < 6 GB).
+
+    .venv/bin/python bench/service_overhead.py [--rounds 5] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_rss(pid: int) -> int:
+    """Resident set size in bytes of a process and all its descendants."""
+    root = psutil.Process(pid)
+    total = 0
+    for p in [root] + root.children(recursive=True):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+
+    import openai
+    import torch
+    from PIL import Image
+    from skimage import data
+
+    from grafting.engine import VLMEngine
+    from services.profiles import load_profile
+
+    prof = load_profile(args.profile)
+    buf = io.BytesIO()
+    Image.fromarray(data.astronaut()).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+
+    port = free_port()
+    server = subprocess.Popen([str(ROOT / ".venv/bin/chimera"), "serve", "--profile", args.profile,
+                               "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise SystemExit("service did not become ready")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+        vlm = prof.vlm
+        torch.set_num_threads(vlm.deployment.torch_threads or torch.get_num_threads())
+        engine = VLMEngine.from_config(vlm.engine, prof.resolved_model_dir())
+
+        def in_process() -> tuple[float, int]:
+            t0 = time.perf_counter()
+            c = engine.complete(messages, max_tokens=args.max_tokens, temperature=0)
+            return time.perf_counter() - t0, c.completion_tokens
+
+        def over_http() -> tuple[float, int]:
+            t0 = time.perf_counter()
+            r = client.chat.completions.create(model=vlm.model_id, messages=messages, max_tokens=args.max_tokens,
+                                               temperature=0)
+            return time.perf_counter() - t0, r.usage.completion_tokens
+
+        in_process(), over_http()  # warm-up both paths
+        eng_t, http_t = [], []
+        for _ in range(args.rounds):
+            t, n1 = in_process()
+            eng_t.append(t)
+            t, n2 = over_http()
+            http_t.append(t)
+            assert n1 == n2, (n1, n2)
+        rss = tree_rss(server.pid)
+        e, h = statistics.median(eng_t), statistics.median(http_t)
+        print(f"request: image QA (512x512 photo -> {engine.prepare(messages).num_image_tokens} image tokens), "
+              f"{n1} completion tokens, greedy, {args.rounds} rounds alternated")
+        print(f"in-process engine  median {e * 1000:8.1f} ms   (all: {', '.join(f'{x * 1000:.0f}' for x in eng_t)})")
+        print(f"HTTP via service   median {h * 1000:8.1f} ms   (all: {', '.join(f'{x * 1000:.0f}' for x in http_t)})")
+        print(f"ratio HTTP / in-process: {h / e:.3f}   (target <= 1.15)")
+        print(f"service resident memory (whole process tree): {rss / 2**30:.2f} GiB   (target < 6 GB)")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

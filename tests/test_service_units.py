@@ -1,0 +1,126 @@
+"""The ingress without Ray: profiles, auth, edge middleware, error shapes (httpx.ASGITransport)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import yaml
+
+from services.app import build_app
+from services.backends import LocalBackend
+from services.edge import EdgeMiddleware
+from services.profiles import CONFIG_DIR, ProfileError, load_profile, parse_profile
+
+
+def test_cpu_profile_is_valid_and_fractional(profile):
+    assert profile.name == "cpu" and profile.vlm.model_id == "chimera-vlm"
+    total = profile.server.ingress.num_cpus + sum(s.deployment.num_cpus for s in profile.families().values())
+    assert total <= (profile.ray.num_cpus or 2)
+
+
+def test_profile_errors_name_the_key_and_reason():
+    data = yaml.safe_load((CONFIG_DIR / "cpu.yaml").read_text())
+    bad = dict(data, vlm=dict(data["vlm"], engine=dict(data["vlm"]["engine"], dtyp="float32")))
+    with pytest.raises(ProfileError) as ei:
+        parse_profile(bad)
+    assert "vlm.engine.dtyp" in str(ei.value) and "Extra inputs are not permitted" in str(ei.value)
+    bad = dict(data, vlm=dict(data["vlm"], engine=dict(data["vlm"]["engine"], dtype="float8")))
+    with pytest.raises(ProfileError) as ei:
+        parse_profile(bad)
+    assert "vlm.engine.dtype" in str(ei.value) and "pattern" in str(ei.value)
+    bad = dict(data, server=dict(data["server"], port=70000))
+    with pytest.raises(ProfileError) as ei:
+        parse_profile(bad)
+    assert "server.port" in str(ei.value)
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile("no-such-profile")
+
+
+class EchoDeployment:
+    """A trivial stand-in deployment for auth/edge tests (no model involved)."""
+
+    async def ready(self):
+        return True
+
+
+def _vlm_only(profile, **server):
+    data = profile.model_dump(mode="json")
+    data["video"] = data["tts"] = None
+    data["server"].update(server)
+    return parse_profile(data)
+
+
+def _client(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_auth_required_on_v1_but_not_on_health(profile):
+    prof = _vlm_only(profile, api_keys=["sk-test-1"])
+    app = build_app(prof, {"vlm": LocalBackend(EchoDeployment())})
+
+    async def go():
+        async with _client(app) as c:
+            r = await c.get("/v1/models")
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "authentication_error"
+            r = await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            r = await c.get("/v1/models", headers={"Authorization": "Bearer sk-test-1"})
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "chimera-vlm"
+            assert (await c.get("/healthz")).status_code == 200
+            assert (await c.get("/metrics")).status_code == 200
+            assert (await c.get("/readyz")).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_readyz_503_while_a_model_loads(profile):
+    class Loading:
+        async def ready(self):
+            raise RuntimeError("replica still starting")
+
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(Loading())})
+
+    async def go():
+        async with _client(app) as c:
+            r = await c.get("/readyz")
+            assert r.status_code == 503
+            assert r.json()["models"] == {"chimera-vlm": "loading"}
+            assert r.json()["error"]["code"] == "model_not_ready"
+            r = await c.get("/v1/models/nope")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+    asyncio.run(go())
+
+
+def test_edge_strips_override_headers_and_shapes_ray_errors():
+    seen = {}
+
+    async def inner(scope, receive, send):
+        seen["headers"] = dict(scope["headers"])
+        status = int(scope["path"].strip("/") or 200)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b"Request dropped due to backpressure"})
+
+    app = EdgeMiddleware(inner)
+
+    async def go():
+        async with _client(app) as c:
+            r = await c.get("/200", headers={"x-request-timeout-seconds": "0.01", "x-request-disconnect-disabled": "?1",
+                                             "x-other": "kept"})
+            assert r.status_code == 200 and r.text == "Request dropped due to backpressure"
+            assert b"x-request-timeout-seconds" not in seen["headers"]
+            assert b"x-request-disconnect-disabled" not in seen["headers"]
+            assert seen["headers"][b"x-other"] == b"kept"
+            for status, etype in ((429, "rate_limit_error"), (503, "service_unavailable"), (408, "timeout_error")):
+                r = await c.get(f"/{status}")
+                assert r.status_code == status
+                err = r.json()["error"]
+                assert err["type"] == etype and "backpressure" in err["message"]
+                if status in (429, 503):
+                    assert r.headers["retry-after"]
+
+    asyncio.run(go())
