@@ -33,6 +33,7 @@ def clean_sentence(text: str, tags: list[str]) -> tuple[str, list[str]]:
         return " "
 
     out = _SPACE.sub(" ", _TAG.sub(repl, text)).strip()
+    out = re.sub(r" ([.,!?;:\u2026])", r"\1", out)  # "a <b>lot</b>." -> "a lot."
     return out, stripped
 
 

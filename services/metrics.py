@@ -34,3 +34,16 @@ VIDEO_QUEUE = Gauge("chimera_video_queue_length", "Video jobs queued or running 
 VIDEO_JOB_SECONDS = Histogram("chimera_video_job_duration_seconds",
                               "Video job duration from creation to completion/failure (s)", ["status"],
                               buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600), registry=REGISTRY)
+
+# --- speech (Orpheus-style TTS) ------------------------------------------------------------------------------
+TTS_TIME_TO_FIRST_AUDIO = Histogram("chimera_tts_time_to_first_audio_seconds",
+                                    "Time from request (or websocket utterance piece) to its first audio bytes (s)",
+                                    ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+TTS_REAL_TIME_FACTOR = Histogram("chimera_tts_real_time_factor",
+                                 "Synthesis wall time divided by audio duration (below 1 = faster than real time)",
+                                 ["model", "endpoint"],
+                                 buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10), registry=REGISTRY)
+TTS_AUDIO_SECONDS = Counter("chimera_tts_audio_seconds_total", "Seconds of speech audio generated", ["model"],
+                            registry=REGISTRY)
+TTS_WS_SESSIONS = Gauge("chimera_tts_websocket_sessions_active", "Open speech websocket sessions", ["model"],
+                        registry=REGISTRY)

@@ -1,0 +1,416 @@
+"""Speech: ``POST /v1/audio/speech`` and ``WS /v1/audio/speech/stream`` (Orpheus-style streaming TTS).
+
+The ``Deployment`` wraps :class:`audio.engine.TTSEngine` in a Ray Serve replica and streams pcm16 pieces from a
+worker thread; closing its stream (client gone, ``response.cancel``) sets the engine's cancel event, which stops
+generation within one token. The router validates requests (``audio.validate``), splits text into sentences
+(``audio.text``) and shapes the responses: chunked audio (a streamed WAV header carries 0xFFFFFFFF sizes), SSE
+``speech.audio.delta``/``speech.audio.done`` events, or websocket events. The websocket is read concurrently with
+synthesis, so a disconnect is seen at once (Ray Serve alone notices it only at the next receive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import Response, StreamingResponse
+from sse_starlette.sse import EventSourceResponse
+
+from audio.config import TTSConfig
+from audio.formats import MEDIA_TYPES, STREAMABLE, encode, to_pcm16, wav_header
+from audio.text import SentenceBuffer, split_sentences
+from audio.validate import SpeechInputError, check_format, check_speed, check_text, check_voice
+
+from . import metrics
+from .app import check_model
+from .backends import Backend
+from .errors import APIError, error_body, to_api_error
+from .profiles import FamilySection, Profile
+
+log = logging.getLogger("chimera.speech")
+SAMPLE_RATE = 24000
+
+
+class Deployment:
+    """Ray Serve deployment of the speech engine (one engine per replica; requests run in worker threads).
+
+    ``speak(...)`` is an async generator of ``{"type": "audio", "pcm": bytes, "sentence": int}`` (pcm16 24 kHz
+    mono) and a final ``{"type": "done", "usage": {...}}``. Input errors (SpeechInputError) are raised before
+    the first event. Closing the generator stops generation before the next token.
+    """
+
+    def __init__(self, section: dict, model_dir: str):
+        import torch
+
+        from audio.engine import TTSEngine
+
+        cfg = FamilySection[TTSConfig].model_validate(section)
+        if cfg.deployment.torch_threads:
+            torch.set_num_threads(cfg.deployment.torch_threads)
+        self.engine = TTSEngine.from_config(cfg.engine, model_dir)
+
+    async def ready(self) -> bool:
+        """True once the engine is loaded (the constructor has returned)."""
+        return True
+
+    async def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0,
+                    seed: int | None = None, first_index: int = 0):
+        """Synthesize raw ``sentences`` (see :meth:`audio.engine.TTSEngine.speak`), streaming pcm16 events."""
+        from audio.engine import SpeechDone
+
+        cancel = threading.Event()
+        events = self.engine.speak(sentences, voice, speed, seed, first_index, cancel)  # validates now
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def worker():
+            try:
+                for ev in events:
+                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        thread = threading.Thread(target=worker, name="tts-generate", daemon=True)
+        thread.start()
+        try:
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                if isinstance(ev, SpeechDone):
+                    yield {"type": "done", "usage": ev.usage}
+                    return
+                yield {"type": "audio", "pcm": to_pcm16(ev.audio), "sentence": ev.sentence}
+        finally:
+            cancel.set()
+            await asyncio.to_thread(thread.join, 30)
+
+
+class _Timing:
+    """Time to first audio and real-time factor of one synthesis, recorded in the ingress metrics."""
+
+    def __init__(self, model_id: str, endpoint: str):
+        self.model_id, self.endpoint = model_id, endpoint
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.samples = 0
+
+    def audio(self, n_bytes: int) -> None:
+        if self.first is None and n_bytes:
+            self.first = time.perf_counter() - self.t0
+            metrics.TTS_TIME_TO_FIRST_AUDIO.labels(self.model_id, self.endpoint).observe(self.first)
+        self.samples += n_bytes // 2
+
+    def done(self) -> None:
+        if self.samples:
+            rtf = (time.perf_counter() - self.t0) / (self.samples / SAMPLE_RATE)
+            metrics.TTS_REAL_TIME_FACTOR.labels(self.model_id, self.endpoint).observe(rtf)
+        metrics.TTS_AUDIO_SECONDS.labels(self.model_id).inc(self.samples / SAMPLE_RATE)
+
+
+async def _json_object(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def make_router(section: FamilySection, backend: Backend, profile: Profile) -> APIRouter:
+    """Routes of the speech family: ``POST /v1/audio/speech`` and ``WS /v1/audio/speech/stream``."""
+    router = APIRouter(tags=["speech"])
+    cfg: TTSConfig = section.engine
+
+    @router.post("/v1/audio/speech")
+    async def create_speech(request: Request):
+        """OpenAI speech: ``input``, ``voice``, ``response_format``, ``speed``, ``stream_format`` (+ ``seed``)."""
+        body = await _json_object(request)
+        try:
+            model_id = check_model(profile, "tts", body.get("model"))
+            text = check_text(cfg, body.get("input"))
+            voice = check_voice(cfg, body.get("voice"))
+            speed = check_speed(cfg, body.get("speed"))
+            fmt, stream_format = check_format(body.get("response_format"), body.get("stream_format"))
+            seed = body.get("seed")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+                raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
+        except SpeechInputError as err:
+            raise APIError(400, str(err), param=err.param, code=err.code) from None
+        timing = _Timing(model_id, "speech")
+        stream = backend.stream("speak", split_sentences(text, cfg.max_sentence_chars), voice, speed, seed, 0)
+        try:
+            first = await stream.__anext__()
+        except BaseException as exc:  # noqa: BLE001 - input errors surface before any byte is sent
+            await stream.aclose()
+            raise to_api_error(exc) from None
+
+        async def events():  # first event, then the rest
+            try:
+                yield first
+                async for ev in stream:
+                    yield ev
+            finally:
+                await stream.aclose()
+
+        if stream_format == "sse":
+            return EventSourceResponse(_sse(events(), fmt, timing), ping=15, sep="\n")
+        if fmt in STREAMABLE:
+            return StreamingResponse(_chunks(events(), fmt, timing), media_type=MEDIA_TYPES[fmt])
+        pcm = bytearray()
+        try:
+            async for ev in events():
+                if ev["type"] == "audio":
+                    timing.audio(len(ev["pcm"]))
+                    pcm += ev["pcm"]
+        except Exception as exc:  # noqa: BLE001
+            raise to_api_error(exc) from None
+        timing.done()
+        data = await asyncio.to_thread(encode, bytes(pcm), fmt, SAMPLE_RATE)
+        return Response(data, media_type=MEDIA_TYPES[fmt])
+
+    @router.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket):
+        """Incremental text in, pcm16 audio deltas out (see the module docstring and docs/api)."""
+        await websocket.accept()
+        metrics.TTS_WS_SESSIONS.labels(section.model_id).inc()
+        try:
+            await _Session(websocket, section, backend, profile).run()
+        finally:
+            metrics.TTS_WS_SESSIONS.labels(section.model_id).dec()
+
+    return router
+
+
+async def _chunks(events, fmt: str, timing: _Timing):
+    """Chunked audio body: pcm16 as made, after a streamed WAV header for ``wav``. An error mid-stream ends
+    the body early (the status line is already sent) and is logged."""
+    if fmt == "wav":
+        yield wav_header(SAMPLE_RATE, streamed=True)
+    try:
+        async for ev in events:
+            if ev["type"] == "audio" and ev["pcm"]:
+                timing.audio(len(ev["pcm"]))
+                yield ev["pcm"]
+        timing.done()
+    except Exception as exc:  # noqa: BLE001
+        log.error("speech stream failed: %s", to_api_error(exc).message)
+
+
+async def _sse(events, fmt: str, timing: _Timing):
+    """SSE: ``speech.audio.delta`` events (base64; their concatenation is the file of ``fmt``: a streamed WAV
+    header first for wav, one delta with the whole file for flac/mp3/opus), then ``speech.audio.done``."""
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    try:
+        if fmt == "wav":
+            yield json.dumps({"type": "speech.audio.delta", "audio": b64(wav_header(SAMPLE_RATE, streamed=True))})
+        pcm = bytearray()
+        async for ev in events:
+            if ev["type"] == "audio" and ev["pcm"]:
+                timing.audio(len(ev["pcm"]))
+                if fmt in STREAMABLE:
+                    yield json.dumps({"type": "speech.audio.delta", "audio": b64(ev["pcm"])})
+                else:
+                    pcm += ev["pcm"]
+            elif ev["type"] == "done":
+                if fmt not in STREAMABLE:
+                    data = await asyncio.to_thread(encode, bytes(pcm), fmt, SAMPLE_RATE)
+                    yield json.dumps({"type": "speech.audio.delta", "audio": b64(data)})
+                timing.done()
+                yield json.dumps({"type": "speech.audio.done", "usage": ev["usage"]})
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an error mid-stream is sent as an SSE error event
+        err = to_api_error(exc)
+        yield json.dumps(error_body(err.message, err.type, err.param, err.code))
+
+
+class _Session:
+    """One websocket session: a reader (client events) and a speaker (synthesis) run concurrently.
+
+    Complete sentences start synthesizing as soon as they are in the buffer; ``input_text.commit`` sends the
+    rest and ends the utterance (one ``response.audio.done`` per commit). ``response.cancel`` drops the
+    utterance in progress (queued sentences, uncommitted text, the synthesis running). Recoverable errors are
+    sent as ``error`` events and the socket stays open. A disconnect cancels everything at once.
+    """
+
+    def __init__(self, ws: WebSocket, section: FamilySection, backend: Backend, profile: Profile):
+        self.ws, self.section, self.backend, self.profile = ws, section, backend, profile
+        self.cfg: TTSConfig = section.engine
+        self.session = {"id": f"sess_{uuid.uuid4().hex[:24]}", "model": section.model_id,
+                        "voice": self.cfg.default_voice, "speed": 1.0, "seed": self.cfg.seed,
+                        "sample_rate": SAMPLE_RATE, "format": "pcm16"}
+        self.buffer = SentenceBuffer(self.cfg.max_sentence_chars)
+        self.chars = 0  # characters appended to the current utterance
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.send_lock = asyncio.Lock()
+        self.response_id: str | None = None
+        self.next_index = 0  # sentence index within the current utterance (seeds)
+        self.generation = 0  # bumped by cancel: queued work of older generations is dropped
+        self.current: asyncio.Task | None = None
+        self.speaking: str | None = None  # response id being synthesized
+
+    async def send(self, obj: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps(obj))
+
+    async def error(self, message: str, code: str, param: str | None = None,
+                    type: str = "invalid_request_error") -> None:
+        await self.send({"type": "error", "error": {"message": message, "type": type, "code": code, "param": param}})
+
+    async def run(self) -> None:
+        await self.send({"type": "session.created", "session": dict(self.session)})
+        speaker = asyncio.create_task(self.speaker())
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    return
+                if msg.get("bytes") is not None:
+                    await self.error("binary frames are not supported; send JSON text frames", "binary_not_supported")
+                    continue
+                await self.handle(msg.get("text") or "")
+        except Exception as exc:  # noqa: BLE001 - e.g. the socket broke while sending
+            log.info("speech websocket closed: %s", type(exc).__name__)
+        finally:
+            speaker.cancel()
+            await asyncio.gather(speaker, return_exceptions=True)
+
+    async def handle(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+        except json.JSONDecodeError as err:
+            return await self.error(f"malformed JSON: {err}", "invalid_json")
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            return await self.error("each message must be a JSON object with a string 'type'", "invalid_event")
+        kind = event["type"]
+        try:
+            if kind == "session.update":
+                await self.update(event.get("session"))
+            elif kind == "input_text.append":
+                await self.append(event.get("text"))
+            elif kind == "input_text.commit":
+                await self.commit()
+            elif kind == "input_text.clear":
+                self.buffer.clear()
+            elif kind == "response.cancel":
+                await self.cancel()
+            else:
+                await self.error(f"unknown event type {kind!r}", "unknown_event", "type")
+        except SpeechInputError as err:
+            await self.error(str(err), err.code or "invalid_value", err.param)
+        except APIError as err:
+            await self.error(err.message, err.code or "invalid_value", err.param, err.type)
+
+    async def update(self, s: Any) -> None:
+        if not isinstance(s, dict):
+            raise SpeechInputError("'session' must be an object", "session", "invalid_value")
+        new = dict(self.session)
+        if "model" in s:
+            new["model"] = check_model(self.profile, "tts", s["model"])
+        if "voice" in s:
+            new["voice"] = check_voice(self.cfg, s["voice"])
+        if "speed" in s:
+            new["speed"] = check_speed(self.cfg, s["speed"])
+        if "seed" in s:
+            if s["seed"] is not None and (isinstance(s["seed"], bool) or not isinstance(s["seed"], int)):
+                raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
+            new["seed"] = s["seed"]
+        unknown = set(s) - {"model", "voice", "speed", "seed"}
+        self.session = new
+        await self.send({"type": "session.updated", "session": dict(new), "ignored": sorted(unknown)})
+
+    def _response(self) -> str:
+        if self.response_id is None:
+            self.response_id = f"resp_{uuid.uuid4().hex[:24]}"
+            self.next_index = 0
+        return self.response_id
+
+    def _dispatch(self, sentences: list[str]) -> None:
+        if sentences:
+            rid = self._response()
+            self.queue.put_nowait(("speak", self.generation, rid, sentences, self.next_index, dict(self.session)))
+            self.next_index += len(sentences)
+
+    async def append(self, text: Any) -> None:
+        if not isinstance(text, str):
+            raise SpeechInputError("'text' must be a string", "text", "invalid_type")
+        if self.chars + len(text) > self.cfg.max_input_chars:
+            raise SpeechInputError(f"the utterance would exceed {self.cfg.max_input_chars} characters; commit first",
+                                   "text", "input_too_long")
+        self.chars += len(text)
+        self._dispatch(self.buffer.append(text))
+
+    async def commit(self) -> None:
+        rest = self.buffer.finish()
+        if self.response_id is None and not "".join(rest).strip():
+            raise SpeechInputError("nothing to commit: append text first", "text", "empty_input")
+        self._dispatch(rest)
+        self.queue.put_nowait(("done", self.generation, self._response()))
+        self.response_id, self.chars = None, 0
+
+    async def cancel(self) -> None:
+        rid = self.speaking or self.response_id
+        self.generation += 1
+        self.buffer.clear()
+        self.response_id, self.chars = None, 0
+        if self.current is not None:
+            self.current.cancel()
+        await self.send({"type": "response.audio.done", "response_id": rid, "status": "cancelled", "usage": None})
+
+    async def speaker(self) -> None:
+        usage: dict[str, dict] = {}
+        while True:
+            item = await self.queue.get()
+            if item[1] != self.generation:
+                usage.pop(item[2], None)
+                continue  # a cancelled utterance
+            rid = item[2]
+            u = usage.setdefault(rid, {"audio_seconds": 0.0, "sentences": 0, "stripped_tags": [], "loops": []})
+            if item[0] == "done":
+                usage.pop(rid, None)
+                u["audio_seconds"] = round(u["audio_seconds"], 4)
+                await self.send({"type": "response.audio.done", "response_id": rid, "status": "completed",
+                                 "usage": u})
+                continue
+            _, gen, rid, sentences, first_index, sess = item
+            self.speaking = rid
+            self.current = asyncio.create_task(self.speak(rid, sentences, first_index, sess, u))
+            try:
+                await self.current
+            except asyncio.CancelledError:
+                if gen == self.generation or asyncio.current_task().cancelling():
+                    raise  # the session itself is closing (not a response.cancel)
+            except Exception as exc:  # noqa: BLE001 - report and keep the socket
+                err = to_api_error(exc)
+                await self.error(err.message, err.code or "synthesis_failed", err.param, err.type)
+            finally:
+                self.current, self.speaking = None, None
+
+    async def speak(self, rid: str, sentences: list[str], first_index: int, sess: dict, u: dict) -> None:
+        timing = _Timing(self.section.model_id, "speech_ws")
+        stream = self.backend.stream("speak", sentences, sess["voice"], sess["speed"], sess["seed"], first_index)
+        try:
+            async for ev in stream:
+                if ev["type"] == "audio" and ev["pcm"]:
+                    timing.audio(len(ev["pcm"]))
+                    await self.send({"type": "response.audio.delta", "response_id": rid,
+                                     "delta": base64.b64encode(ev["pcm"]).decode()})
+                elif ev["type"] == "done":
+                    timing.done()
+                    uu = ev["usage"]
+                    u["audio_seconds"] += uu.get("audio_seconds", 0.0)
+                    u["sentences"] += uu.get("sentences", 0)
+                    u["stripped_tags"] += uu.get("stripped_tags", [])
+                    u["loops"] += uu.get("loops", [])
+        finally:
+            await stream.aclose()

@@ -1,0 +1,215 @@
+"""Speech engine without the service: token layout, streaming SNAC decode, constrained sampling, loop guard,
+text splitting, formats. Uses the cpu profile's small random-weight models (built by ``chimera prepare``)."""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from audio.config import LoopGuardConfig, TokenLayoutConfig, TTSConfig
+from audio.engine import SpeechAudio, SpeechDone, TTSEngine
+from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
+from audio.generate import find_loop, generate_frames
+from audio.layout import FrameParser, TokenLayout, frames_to_snac_codes, parse_frames
+from audio.snac_stream import FRAME_SAMPLES, StreamingDecoder, decode_frames
+from audio.text import SentenceBuffer, clean_sentence, split_sentences
+from audio.validate import SpeechInputError
+
+
+@pytest.fixture(scope="module")
+def engine(profile, model_dir):
+    torch.set_num_threads(1)
+    return TTSEngine.from_config(profile.tts.engine, model_dir)
+
+
+def test_real_layout_prompt_and_ids():
+    lay = TokenLayout(TokenLayoutConfig())
+    assert lay.prompt_ids([128000, 42]) == [128259, 128000, 42, 128009, 128260, 128261, 128257]
+    assert lay.audio_id(0, 0) == 128266
+    assert lay.audio_id(6, 4095) == 128266 + 6 * 4096 + 4095
+    assert lay.vocab_size_needed == 128266 + 7 * 4096
+    with pytest.raises(ValueError):
+        lay.audio_id(7, 0)
+
+
+def test_parser_keeps_code_zero_and_alignment():
+    lay = TokenLayout(TokenLayoutConfig())
+    frames = [[0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7], [0, 4095, 0, 9, 0, 10, 0]]
+    ids = [t for f in frames for t in lay.frame_ids(f)] + [lay.end_of_speech, lay.audio_id(0, 5)]
+    assert parse_frames(lay, ids) == frames  # code 0 kept, every later frame aligned, stops at end of speech
+    p = FrameParser(lay)
+    with pytest.raises(ValueError):
+        p.push(lay.audio_id(1, 0))  # position 1 id at position 0: rejected, never skipped
+    p.push(lay.audio_id(0, 3))
+    with pytest.raises(ValueError):
+        p.push(lay.end_of_speech)  # end of speech inside a frame
+    codes = frames_to_snac_codes(frames)
+    assert codes[0].tolist() == [[0, 1, 0]]
+    assert codes[1].tolist() == [[0, 0, 2, 5, 4095, 0]]
+    assert codes[2].tolist() == [[0, 0, 0, 0, 3, 4, 6, 7, 0, 9, 10, 0]]
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_streamed_decode_equals_one_shot(engine, chunk):
+    lay = engine.layout
+    g = torch.Generator().manual_seed(0)
+    frames = torch.randint(0, 4096, (11, 7), generator=g).tolist()
+    frames[3][0] = frames[5][2] = frames[0][6] = 0  # code 0 in the stream
+    tokens = [t for f in frames for t in lay.frame_ids(f)] + [lay.end_of_speech]
+    parsed = parse_frames(lay, tokens)
+    assert parsed == frames
+    full = decode_frames(engine.snac, parsed)
+    dec = StreamingDecoder(engine.snac, chunk_frames=chunk)
+    pieces = [dec.push(f) for f in parsed]
+    assert sum(len(p) for p in pieces[:3]) == FRAME_SAMPLES  # the first frame comes out as soon as possible
+    pieces.append(dec.flush())
+    streamed = torch.cat(pieces)
+    assert streamed.shape == full.shape == (11 * FRAME_SAMPLES,)
+    assert _rel_rms(streamed, full) <= 1e-3
+    first, last = slice(0, FRAME_SAMPLES), slice(10 * FRAME_SAMPLES, None)
+    assert _rel_rms(streamed[first], full[first]) <= 1e-3
+    assert _rel_rms(streamed[last], full[last]) <= 1e-3
+
+
+def test_constrained_sampling_stays_aligned(engine):
+    """Whatever the (random) model prefers, every sampled token is an audio id of its frame position."""
+    cfg = engine.cfg
+    prompt = engine.prompt("tara", "Hello there.")
+    frames = list(generate_frames(engine.lm, engine.layout, prompt, cfg.sampling.model_copy(update={"temperature": 1.5}),
+                                  cfg.loop_guard, 20, torch.Generator().manual_seed(3)))
+    assert len(frames) == 20 and all(len(f) == 7 and all(0 <= c < 4096 for c in f) for f in frames)
+
+
+def test_max_frames_from_text(engine):
+    c = engine.cfg
+    assert engine.max_frames_for("Hi.") == c.min_frames
+    assert engine.max_frames_for("x" * 100) == max(c.min_frames, min(c.max_frames, int(np.ceil(100 * c.frames_per_char))))
+    assert engine.max_frames_for("x" * 4000) == c.max_frames
+
+
+def test_text_split_is_prefix_stable_and_lossless():
+    text = ("Hello there, Dr. Smith! How are you today? <chuckle> I am fine... Thanks <break time=\"1s\"/> a lot. "
+            "This one is long, " + "very " * 80 + "long indeed. Last bit without a stop")
+    one = split_sentences(text, 120)
+    assert "".join(one) == text
+    rng = random.Random(0)
+    for _ in range(20):
+        buf, got, i = SentenceBuffer(120), [], 0
+        while i < len(text):
+            j = min(len(text), i + rng.randint(1, 9))
+            got += buf.append(text[i:j])
+            i = j
+        got += buf.finish()
+        assert [s.strip() for s in got] == [s.strip() for s in one]
+    clean, stripped = clean_sentence('<chuckle> Thanks <break time="1s"/> a <b>lot</b>. <LAUGH>', ["chuckle", "laugh"])
+    assert clean == "<chuckle> Thanks a lot. <laugh>"
+    assert stripped == ['<break time="1s"/>', "<b>", "</b>"]
+
+
+class LoopingLM(torch.nn.Module):
+    """Scripted stand-in (the one allowed): speaks 6 distinct frames then end_of_speech, except for a sentence
+    containing "loop", where it repeats one frame forever whatever the repetition penalty."""
+
+    def __init__(self, layout: TokenLayout, tokenizer, vocab: int):
+        super().__init__()
+        self.layout, self.tok, self.vocab = layout, tokenizer, vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.looping, self.n = False, 0
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
+        ids = input_ids[0].tolist()
+        if len(ids) > 1:  # prefill: prompt (+ frames kept from an earlier attempt)
+            sos = len(ids) - 1 - ids[::-1].index(self.layout.cfg.start_of_speech)
+            self.looping = "loop" in self.tok.decode(ids[:sos]).lower()
+            self.n = len(ids) - sos - 1
+        else:
+            self.n += 1
+        frame, pos = divmod(self.n, 7)
+        logits = torch.zeros(1, 1, self.vocab)
+        if not self.looping and frame >= 6:
+            logits[0, 0, self.layout.end_of_speech] = 50.0
+        else:
+            code = 17 * pos + 1 if self.looping else (frame * 7 + pos + 1)
+            logits[0, 0, self.layout.audio_id(pos, code)] = 50.0
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.fixture(scope="module")
+def looping_engine(engine):
+    cfg = engine.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
+    lm = LoopingLM(engine.layout, engine.tokenizer, engine.lm.config.vocab_size)
+    return TTSEngine(cfg, lm, engine.tokenizer, engine.snac)
+
+
+def test_loop_guard_retries_once_then_cuts_short(looping_engine):
+    t0 = time.perf_counter()
+    events = list(looping_engine.synthesize("First one is fine. This loop never ends. The third is fine too.", seed=0))
+    assert time.perf_counter() - t0 < 30
+    done = events[-1]
+    assert isinstance(done, SpeechDone)
+    per = {}
+    for ev in events[:-1]:
+        per[ev.sentence] = per.get(ev.sentence, 0) + len(ev.audio)
+    assert per[0] == per[2] == 6 * FRAME_SAMPLES  # the other two spoken in full
+    assert done.usage["loops"] == [{"sentence": 1, "retries": 1, "cut_short": True}]
+    assert per.get(1, 0) < 40 * FRAME_SAMPLES  # the looping one cut short (before max length)
+    g = LoopGuardConfig()
+    loop = [(1,) * 7] * 3 + [(2,) * 7, (3,) * 7] * 4
+    assert find_loop(loop, g.window_frames, g.max_period_frames) == 3
+
+
+def test_loop_guard_quiet_on_ordinary_output(engine):
+    cfg = engine.cfg
+    events = list(engine.speak(["A rather ordinary sentence that goes on for a while."], seed=5))
+    assert events[-1].usage["loops"] == []
+    assert events[-1].usage["frames"] == engine.max_frames_for("A rather ordinary sentence that goes on for a while.")
+    for _ in range(3):
+        frames = [tuple(f) for f in generate_frames(engine.lm, engine.layout, engine.prompt("leo", "Okay."),
+                                                      cfg.sampling, cfg.loop_guard.model_copy(update={"enabled": False}),
+                                                      48, torch.Generator().manual_seed(_))]
+        assert all(find_loop(frames[: i + 1], cfg.loop_guard.window_frames, cfg.loop_guard.max_period_frames) is None
+                   for i in range(len(frames)))
+
+
+def test_engine_stream_and_usage(engine):
+    ev = list(engine.synthesize("Hi <chuckle> there. <b>Bold</b> move!", voice="Leah", seed=1))
+    audio = np.concatenate([e.audio for e in ev if isinstance(e, SpeechAudio)])
+    usage = ev[-1].usage
+    assert usage["sentences"] == 2 and usage["stripped_tags"] == ["<b>", "</b>"]
+    assert len(audio) == usage["frames"] * FRAME_SAMPLES
+    assert usage["audio_seconds"] == pytest.approx(len(audio) / 24000, abs=1e-3)
+    again = np.concatenate([e.audio for e in engine.synthesize("Hi <chuckle> there. <b>Bold</b> move!", voice="leah",
+                                                                seed=1) if isinstance(e, SpeechAudio)])
+    assert np.array_equal(audio, again)  # seeded: reproducible
+    for bad in [dict(text=""), dict(text="  "), dict(text="x" * 5000), dict(text="Hi", voice="alloy"),
+                dict(text="Hi", speed=9.0)]:
+        with pytest.raises(SpeechInputError):
+            args = dict(bad)
+            list(engine.synthesize(args.pop("text"), **args))
+
+
+def test_formats_and_speed():
+    x = (0.5 * np.sin(np.arange(24000) / 10)).astype(np.float32)
+    pcm = to_pcm16(x)
+    assert len(pcm) == 48000
+    for fmt in ("wav", "flac", "mp3", "opus"):
+        data, sr = sf.read(io.BytesIO(encode(pcm, fmt)))
+        assert sr == 24000 and data.ndim == 1 and abs(len(data) - 24000) < 3000
+    hdr = wav_header()
+    assert len(hdr) == 44 and hdr[4:8] == b"\xff\xff\xff\xff" and hdr[40:44] == b"\xff\xff\xff\xff"
+    r = SpeedResampler(2.0)
+    out = np.concatenate([r.push(x[i:i + 1000]) for i in range(0, 24000, 1000)] + [r.flush()])
+    assert abs(len(out) - 12000) <= 1
+    np.testing.assert_allclose(out[:2000], x[: 4000 : 2], atol=1e-6)
+    assert SpeedResampler(1.0).push(x) is not None and len(SpeedResampler(1.0).push(x)) == 24000
