@@ -1,0 +1,250 @@
+"""Block-sparse self-attention for Wan (video/sparse_attention.py): exactness, mask invariants, pipeline wiring.
+
+Small real-architecture random-weight diffusers models (WanAttention, WanTransformer3DModel, AutoencoderKLWan);
+no mocks. Compiled flex_attention is exercised on a few shapes (a few seconds of compile each).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
+
+from video.sparse_attention import (
+    SparseAttentionConfig,
+    WanSparseAttention,
+    WanSparseAttnProcessor,
+    SparseState,
+    block_sparse_attention,
+    make_block_mask,
+    select_blocks,
+    sparse_attention,
+    tile_permutation,
+)
+
+torch.set_num_threads(2)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+# --------------------------------------------------------------------------------------------- tile permutation
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 1), (3, 5, 7), (21, 30, 52), (4, 16, 16), (6, 9, 20)])
+def test_tile_permutation_round_trips_exactly(grid):
+    perm, inv = tile_permutation(grid, (2, 8, 8))
+    n = math.prod(grid)
+    assert perm.dtype == torch.int64 and perm.shape == (n,)
+    assert torch.equal(torch.sort(perm).values, torch.arange(n))  # a permutation
+    x = torch.randn(2, n, 3)
+    assert torch.equal(x[:, perm][:, inv], x)
+    assert torch.equal(x[:, inv][:, perm], x)
+    # frame 0 comes first, alone
+    assert torch.equal(torch.sort(perm[: grid[1] * grid[2]]).values, torch.arange(grid[1] * grid[2]))
+
+
+def test_tiles_are_spatio_temporal_neighbourhoods():
+    grid = (5, 16, 16)  # frames 1..4 tile exactly with 2x8x8
+    perm, _ = tile_permutation(grid, (2, 8, 8))
+    t, h, w = perm // 256, (perm // 16) % 16, perm % 16
+    first = slice(0, 64)  # frame 0, first 1x8x8 tile
+    assert set(t[first].tolist()) == {0} and set(h[first].tolist()) == set(range(8))
+    assert set(w[first].tolist()) == set(range(8))
+    block = slice(256, 384)  # first 128-token block after frame 0: frames 1-2, rows 0-7, cols 0-7
+    assert set(t[block].tolist()) == {1, 2}
+    assert set(h[block].tolist()) == set(range(8)) and set(w[block].tolist()) == set(range(8))
+
+
+# ------------------------------------------------------------------------------------------------- block mask
+
+
+def _mask_for(grid, sparsity, tile=(2, 8, 8), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, bs = math.prod(grid), math.prod(tile)
+    nb = -(-n // bs)
+    q, k = (F.pad(torch.randn(1, 2, n, 32, generator=g), (0, 0, 0, nb * bs - n)) for _ in range(2))
+    first = -(-(grid[1] * grid[2]) // bs)
+    idx, n_keep = select_blocks(q, k, n, bs, sparsity, torch.arange(nb) < first)
+    dense = make_block_mask(idx, n_keep, n, bs).to_dense().bool()  # [1, 2, nb, nb]
+    return dense, nb, first, n_keep
+
+
+@pytest.mark.parametrize("grid", [(9, 16, 24), (6, 9, 20), (21, 12, 16)])
+@pytest.mark.parametrize("sparsity", [0.125, 0.25, 0.5, 1.0])
+def test_mask_keeps_diagonal_first_frame_and_requested_fraction(grid, sparsity):
+    dense, nb, first, n_keep = _mask_for(grid, sparsity)
+    assert dense.shape == (1, 2, nb, nb)
+    assert dense.diagonal(dim1=-2, dim2=-1).all()
+    assert dense[..., :first].all()
+    kept = dense.sum(-1).float()  # kept key blocks per query block row
+    assert (kept == n_keep).all()
+    forced = first + 1
+    if sparsity * nb >= forced:  # the request is reachable: within one block per row
+        assert (kept - sparsity * nb).abs().max() <= 1.0
+    else:  # forced blocks take priority
+        assert (kept <= forced).all()
+
+
+def test_padded_keys_are_masked():
+    grid = (6, 9, 20)  # 1080 tokens -> 9 blocks of 128, 72 padded positions
+    n = math.prod(grid)
+    g = torch.Generator().manual_seed(1)
+    q, k = (F.pad(torch.randn(1, 1, n, 16, generator=g), (0, 0, 0, 1152 - n)) for _ in range(2))
+    idx, n_keep = select_blocks(q, k, n, 128, 1.0)
+    mask = make_block_mask(idx, n_keep, n, 128)
+    b = torch.zeros(1, dtype=torch.long)
+    assert bool(mask.mask_mod(b, b, torch.tensor(0), torch.tensor(n - 1)))
+    assert not bool(mask.mask_mod(b, b, torch.tensor(0), torch.tensor(n)))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sparse_attention_matches_masked_sdpa(compiled):
+    """Compiled flex skips masked blocks; its output equals SDPA with the same mask expanded to tokens."""
+    grid, tile = (6, 9, 20), (2, 8, 8)
+    n, bs = math.prod(grid), 128
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
+    out = block_sparse_attention(q, k, v, grid, 0.25, tile, compiled=compiled)
+
+    perm, inv = tile_permutation(grid, tile)
+    nb = -(-n // bs)
+    qp, kp = (F.pad(x[:, :, perm], (0, 0, 0, nb * bs - n)) for x in (q, k))
+    idx, n_keep = select_blocks(qp, kp, n, bs, 0.25, torch.arange(nb) < 2)
+    blocks = make_block_mask(idx, n_keep, n, bs).to_dense().bool()
+    token_mask = blocks.repeat_interleave(bs, -2).repeat_interleave(bs, -1)[..., :n, :n]
+    ref = F.scaled_dot_product_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], attn_mask=token_mask)
+    assert (out - ref[:, :, inv]).abs().max() <= 1e-5
+    dense = F.scaled_dot_product_attention(q, k, v)
+    assert (out - dense).abs().max() > 1e-3  # it did drop blocks
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_full_keep_equals_dense_sdpa(compiled):
+    grid = (5, 9, 20)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, math.prod(grid), 64, generator=g) for _ in range(3))
+    out = block_sparse_attention(q, k, v, grid, 1.0, compiled=compiled)
+    assert (out - F.scaled_dot_product_attention(q, k, v)).abs().max() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- processor
+
+
+def _attention(cross=False):
+    torch.manual_seed(0)
+    return WanAttention(dim=64, heads=2, dim_head=32, eps=1e-6,
+                        cross_attention_dim_head=32 if cross else None).eval()
+
+
+def _rope(grid, head_dim=32):
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    rope = WanRotaryPosEmbed(head_dim, (1, 2, 2), 1024)
+    return rope(torch.zeros(1, 1, grid[0], grid[1] * 2, grid[2] * 2))
+
+
+@torch.no_grad()
+def test_processor_at_full_keep_equals_dense_processor():
+    grid = (4, 12, 16)  # 768 tokens, 6 blocks
+    attn, x = _attention(), torch.randn(1, math.prod(grid), 64)
+    rope = _rope(grid)
+    dense = WanAttnProcessor()(attn, x, None, None, rope)
+    state = SparseState(config=SparseAttentionConfig(), sparsity=1.0, grid=grid, step=0)
+    out = WanSparseAttnProcessor(state)(attn, x, None, None, rope)
+    assert state.sparse_calls == 1 and state.dense_calls == 0
+    assert (out - dense).abs().max() <= 1e-5
+    state.sparsity = 0.34
+    sparse = WanSparseAttnProcessor(state)(attn, x, None, None, rope)
+    assert state.sparse_calls == 2 and (sparse - dense).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_cross_attention_and_dense_layers_run_the_dense_processor_exactly():
+    grid = (2, 8, 8)
+    state = SparseState(config=SparseAttentionConfig(), sparsity=0.125, grid=grid, step=5,
+                        dense_layers=frozenset({1}))
+    cross, x, ctx = _attention(cross=True), torch.randn(1, 128, 64), torch.randn(1, 7, 64)
+    assert torch.equal(WanSparseAttnProcessor(state)(cross, x, ctx), WanAttnProcessor()(cross, x, ctx))
+    attn, rope = _attention(), _rope(grid)
+    out = WanSparseAttnProcessor(state, layer_index=1)(attn, x, None, None, rope)
+    assert torch.equal(out, WanAttnProcessor()(attn, x, None, None, rope))
+    assert state.sparse_calls == 0 and state.dense_calls == 1
+
+
+# ------------------------------------------------------------------------------------------ tiny Wan pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe():
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=64)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _run(pipe):
+    g = torch.Generator().manual_seed(0)
+    pe = torch.randn(1, 8, 32, generator=g)
+    ne = torch.randn(1, 8, 32, generator=g)
+    # 9 frames of 192x256 px -> latent 3 x 24 x 32 -> tokens 3 x 12 x 16 (patch 1x2x2). The output is the
+    # denoised latent (the VAE decode after it is the same deterministic function either way).
+    return pipe(prompt_embeds=pe, negative_prompt_embeds=ne, height=192, width=256, num_frames=9,
+                num_inference_steps=4, guidance_scale=4.0, generator=torch.Generator().manual_seed(1),
+                output_type="latent").frames
+
+
+@torch.no_grad()
+def test_pipeline_end_to_end_full_keep_equals_dense_and_sparse_runs(tiny_pipe):
+    before = dict(tiny_pipe.transformer.attn_processors)
+    dense = _run(tiny_pipe)
+    cfg = SparseAttentionConfig(compile=False)
+    with sparse_attention(tiny_pipe.transformer, sparsity=1.0, num_inference_steps=4, config=cfg,
+                          full_is_dense=False, dense_fraction=0.0) as state:
+        full = _run(tiny_pipe)
+        assert state.grid == (3, 12, 16)  # 576 tokens, 5 blocks of 128
+        assert state.step == 3  # 4 steps, classifier-free guidance counted once per step
+        assert state.sparse_calls == 4 * 2 * 2 and state.dense_calls == 0  # steps x (cond, uncond) x layers
+    assert abs(full - dense).max() <= 1e-5
+
+    with sparse_attention(tiny_pipe.transformer, sparsity=0.125, num_inference_steps=4, config=cfg) as state:
+        sparse = _run(tiny_pipe)
+        assert state.dense_calls == 1 * 2 * 2 and state.sparse_calls == 3 * 2 * 2  # first 25% of steps dense
+    assert sparse.shape == dense.shape and abs(sparse).max() < float("inf")
+    assert abs(sparse - dense).max() > 0
+    after = tiny_pipe.transformer.attn_processors
+    assert all(type(after[n]) is type(before[n]) for n in before)  # dense processors are back
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("sparsity", [0.0, -0.5, 1.5])
+def test_out_of_range_sparsity_is_a_value_error(sparsity):
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1)
+    with pytest.raises(ValueError):
+        with sparse_attention(transformer, sparsity=sparsity, num_inference_steps=4):
+            pass
+    assert all(type(p) is WanAttnProcessor for p in transformer.attn_processors.values())
+    with pytest.raises(ValueError):
+        block_sparse_attention(*(torch.randn(1, 1, 64, 8) for _ in range(3)), (1, 8, 8), sparsity)
+
+
+def test_bad_grid_and_tile_are_value_errors():
+    q = torch.randn(1, 1, 64, 8)
+    with pytest.raises(ValueError, match="does not match"):
+        block_sparse_attention(q, q, q, (2, 8, 8), 0.5)
+    with pytest.raises(ValueError):
+        tile_permutation((2, 8, 8), (0, 8, 8))
+    with pytest.raises(ValueError):
+        SparseAttentionConfig(tile=(2, 0, 8))
+    with pytest.raises(ValueError):
+        WanSparseAttention(SparseState(config=SparseAttentionConfig())).begin(dense_fraction=1.5)
