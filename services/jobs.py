@@ -37,6 +37,9 @@ class JobError(Exception):
         self.code = code
         self.param = param
 
+    def __reduce__(self):  # crosses Ray process boundaries intact
+        return (type(self), (self.status_code, str(self), self.code, self.param))
+
 
 class JobStore:
     """Durable job records (SQLAlchemy Core) and the results directory.

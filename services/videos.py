@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from . import metrics
 from .app import check_model
 from .backends import Backend
-from .errors import APIError, unwrap
+from .errors import APIError, to_api_error, unwrap
 from .profiles import FamilySection, Profile
 
 _TERMINAL = ("completed", "failed", "cancelled")
@@ -191,11 +191,24 @@ def _observe(obj: dict, seen: set) -> dict:
     return obj
 
 
-def make_router(section: FamilySection, backend: Backend, profile: Profile) -> APIRouter:
+def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) -> APIRouter:
     """The ``/v1/videos`` endpoints of the video family (see the HTTP contract)."""
     router = APIRouter(tags=["videos"])
     limits = section.engine.limits
     seen: set[str] = set()
+
+    class _Backend:
+        """The backend, with every error turned into an APIError here (4xx answered by the APIError handler)."""
+
+        async def call(self, method: str, *args: Any) -> Any:
+            try:
+                return await raw_backend.call(method, *args)
+            except APIError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to its status (500 only for our bugs)
+                raise to_api_error(exc) from None
+
+    backend = _Backend()
 
     def key_of(request: Request) -> str | None:
         k = request.headers.get("idempotency-key")

@@ -127,6 +127,7 @@ class VideoConfig(_Strict):
     flow_shift: float = Field(5.0, gt=0)
     max_sequence_length: int = Field(512, ge=1)
     torch_threads: int | None = Field(None, ge=1)
+    sparse_attention: dict = {}
     defaults: VideoDefaults = VideoDefaults()
     limits: VideoLimits = VideoLimits()
     jobs: JobOptions = JobOptions()

@@ -100,17 +100,19 @@ class VideoEngine:
 
     @contextlib.contextmanager
     def attention(self, sparsity: float, num_inference_steps: int):
-        """Install sparse attention keeping ``sparsity`` of the attention blocks for this generation
-        (1.0: dense, nothing installed). Needs ``video.sparse_attention`` (issue 6); raises ValueError when it
-        is missing."""
+        """Block-sparse self-attention (:mod:`video.sparse_attention`) keeping ``sparsity`` of the key blocks
+        for one clip (its dense warm-up counts that clip's steps); 1.0: dense, nothing installed.
+        Raises ValueError on an out-of-range option."""
         if sparsity >= 1.0:
             yield
             return
-        try:
-            from . import sparse_attention
-        except ImportError:
-            raise ValueError("sparsity < 1.0 needs video.sparse_attention, which is not installed") from None
-        with sparse_attention.sparse_attention(self.t2v.transformer, sparsity, num_inference_steps):
+        from .sparse_attention import SparseAttentionConfig, sparse_attention
+
+        transformers = [self.t2v.transformer]
+        if self.i2v is not None and self.i2v.transformer is not self.t2v.transformer:
+            transformers.append(self.i2v.transformer)
+        with sparse_attention(transformers, sparsity=sparsity, num_inference_steps=num_inference_steps,
+                              config=SparseAttentionConfig(**self.cfg.sparse_attention)):
             yield
 
     @torch.no_grad()
@@ -135,12 +137,13 @@ class VideoEngine:
                       guidance_scale=req.guidance_scale, output_type="pt",
                       generator=torch.Generator(device="cpu").manual_seed(seed),
                       callback_on_step_end=callback)
-        if image is None:
-            out = self.t2v(**common)
-        else:
-            if self.i2v is None:
-                raise ValueError("this model has no image-to-video pipeline")
-            out = self.i2v(image=image.to(torch.float32).clamp(0, 1), **common)
+        if image is not None and self.i2v is None:
+            raise ValueError("this model has no image-to-video pipeline")
+        with self.attention(req.sparsity, req.num_inference_steps):
+            if image is None:
+                out = self.t2v(**common)
+            else:
+                out = self.i2v(image=image.to(torch.float32).clamp(0, 1), **common)
         return out.frames[0].to(torch.float32).cpu()
 
     def generate(self, req: VideoRequest, image: torch.Tensor | None = None, reference: ColorStats | None = None,
@@ -182,6 +185,5 @@ class VideoEngine:
             report("denoising" if k + 1 < req.num_clips else "encoding", (k + 1) * (steps + 1))
 
         fn = wrap(clip_fn) if wrap is not None else clip_fn
-        with self.attention(req.sparsity, steps):
-            return chain_clips(fn, req.num_clips, seeds, first_image=image, drift_correction=req.drift_correction,
-                               reference=reference, continuation=continuation, on_clip_done=on_clip_done)
+        return chain_clips(fn, req.num_clips, seeds, first_image=image, drift_correction=req.drift_correction,
+                           reference=reference, continuation=continuation, on_clip_done=on_clip_done)

@@ -23,6 +23,9 @@ class MediaError(ValueError):
         self.status_code = status_code
         self.param = param
 
+    def __reduce__(self):  # keeps status and param when pickled across processes (Ray)
+        return (type(self), (str(self), self.status_code, self.param))
+
 
 def load_image(data: bytes, max_bytes: int, max_pixels: int, param: str = "input_reference") -> Image.Image:
     """Decode an uploaded image (PNG, JPEG, WebP, GIF first frame, ...) to RGB.

@@ -32,6 +32,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # keeps param when pickled across processes (Ray)
+        return (type(self), (str(self), self.param))
+
 
 class VideoParams(BaseModel):
     """Raw request fields (unknown fields are ignored, so vLLM-Omni and OpenAI clients both work)."""
