@@ -55,10 +55,16 @@ class Deployment:
         if cfg.deployment.torch_threads:
             torch.set_num_threads(cfg.deployment.torch_threads)
         self.engine = TTSEngine.from_config(cfg.engine, model_dir)
+        self.running = 0  # syntheses whose worker thread is alive
+        self._count_lock = threading.Lock()
 
     async def ready(self) -> bool:
         """True once the engine is loaded (the constructor has returned)."""
         return True
+
+    async def active(self) -> int:
+        """Number of syntheses running now (their worker threads alive): 0 once every client is gone."""
+        return self.running
 
     async def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0,
                     seed: int | None = None, first_index: int = 0):
@@ -76,8 +82,13 @@ class Deployment:
                     loop.call_soon_threadsafe(queue.put_nowait, ev)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                with self._count_lock:
+                    self.running -= 1
 
         thread = threading.Thread(target=worker, name="tts-generate", daemon=True)
+        with self._count_lock:
+            self.running += 1
         thread.start()
         try:
             while True:

@@ -1,0 +1,265 @@
+"""Speech endpoints end to end against the real Ray Serve app of the cpu profile (``openai`` SDK and
+``websockets`` clients), plus the loop guard through the router with the scripted looping model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+from websockets.sync.client import connect
+
+TEXT = "Hello there, nice to meet you. How are you today?"
+
+
+def _read(data: bytes, fmt: str):
+    if fmt == "pcm":
+        return sf.read(io.BytesIO(data), format="RAW", subtype="PCM_16", samplerate=24000, channels=1)
+    return sf.read(io.BytesIO(data))
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus"])
+def test_sdk_speech_formats(openai_client, fmt):
+    resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
+                                             response_format=fmt)
+    data, sr = _read(resp.content, fmt)
+    assert sr == 24000 and data.ndim == 1
+    frames = 4  # cpu profile: min_frames for a short sentence, 2048 samples each
+    if fmt in ("wav", "pcm", "flac"):
+        assert len(data) == frames * 2048
+        assert np.abs(data).max() > 0
+    else:
+        assert abs(len(data) - frames * 2048) < 2048  # lossy codecs pad
+    if fmt == "wav":
+        assert resp.content[4:8] == b"\xff\xff\xff\xff" and resp.content[40:44] == b"\xff\xff\xff\xff"
+
+
+def test_sdk_streaming_response_bytes_before_end(openai_client):
+    text = " ".join(["This sentence is number %d." % i for i in range(6)])
+    t0 = time.perf_counter()
+    stamps, total = [], 0
+    with openai_client.audio.speech.with_streaming_response.create(
+            model="chimera-tts", voice="leo", input=text, response_format="pcm") as resp:
+        assert resp.headers["content-type"].startswith("audio/pcm")
+        for chunk in resp.iter_bytes():
+            stamps.append(time.perf_counter() - t0)
+            total += len(chunk)
+    assert len(stamps) > 2 and total % 2048 == 0
+    assert stamps[0] < 0.5 * stamps[-1]  # the first bytes came long before generation ended
+
+
+def test_sse_stream(serve_url):
+    body = {"model": "chimera-tts", "input": "Hi there. <chuckle> Bye <b>now</b>!", "voice": "mia",
+            "response_format": "wav", "stream_format": "sse"}
+    events = []
+    with httpx.stream("POST", f"{serve_url}/v1/audio/speech", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["type"] for e in events[:2]] == ["speech.audio.delta"] * 2
+    assert events[-1]["type"] == "speech.audio.done"
+    usage = events[-1]["usage"]
+    assert usage["sentences"] == 2 and usage["stripped_tags"] == ["<b>", "</b>"]
+    wav = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    data, sr = sf.read(io.BytesIO(wav))
+    assert sr == 24000 and len(data) == round(usage["audio_seconds"] * 24000)
+
+
+@pytest.mark.parametrize("kwargs,param,code", [
+    (dict(input=""), "input", "empty_input"),
+    (dict(input="   "), "input", "empty_input"),
+    (dict(input="x" * 4097), "input", "input_too_long"),
+    (dict(voice="alloy"), "voice", "unknown_voice"),
+    (dict(response_format="ogg"), "response_format", "unsupported_format"),
+    (dict(stream_format="ws"), "stream_format", "unsupported_format"),
+    (dict(speed=4.5), "speed", "invalid_speed"),
+    (dict(speed=0.1), "speed", "invalid_speed"),
+])
+def test_sdk_bad_input(openai_client, kwargs, param, code):
+    args = dict(model="chimera-tts", voice="tara", input="Hello.", response_format="wav") | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.audio.speech.create(**args)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and err.value.body["code"] == code
+
+
+def test_bad_body_and_model(serve_url):
+    r = httpx.post(f"{serve_url}/v1/audio/speech", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara", "model": "nope"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+# --- websocket ------------------------------------------------------------------------------------------------
+def _ws_url(serve_url: str, query: str = "") -> str:
+    return serve_url.replace("http://", "ws://") + "/v1/audio/speech/stream" + query
+
+
+def _send(ws, **event):
+    ws.send(json.dumps(event))
+
+
+def _utterance(ws, rid_seen: list | None = None) -> tuple[bytes, dict]:
+    """Collect deltas until response.audio.done; return (pcm, done event)."""
+    pcm = bytearray()
+    while True:
+        m = json.loads(ws.recv(timeout=120))
+        if m["type"] == "response.audio.delta":
+            pcm += base64.b64decode(m["delta"])
+            if rid_seen is not None:
+                rid_seen.append(m["response_id"])
+        elif m["type"] == "response.audio.done":
+            return bytes(pcm), m
+        elif m["type"] == "error":
+            raise AssertionError(m)
+
+
+def test_ws_pieces_speak_like_one_piece_and_two_commits(serve_url):
+    text = "Well <chuckle> that was funny. Tell me more"
+    pieces = ["We", "ll <chu", "ckle> tha", "t was fun", "ny. Tell m", "e more"]
+    with connect(_ws_url(serve_url)) as ws:
+        created = json.loads(ws.recv(timeout=30))
+        assert created["type"] == "session.created" and created["session"]["voice"] == "tara"
+        _send(ws, type="session.update", session={"voice": "zoe", "seed": 11})
+        assert json.loads(ws.recv(timeout=30))["session"]["voice"] == "zoe"
+        _send(ws, type="input_text.append", text=text)
+        _send(ws, type="input_text.commit")
+        one, done1 = _utterance(ws)
+        for p in pieces:
+            _send(ws, type="input_text.append", text=p)
+        _send(ws, type="input_text.commit")
+        split, done2 = _utterance(ws)
+    assert done1["status"] == done2["status"] == "completed"
+    assert done1["response_id"] != done2["response_id"]
+    assert done1["usage"]["sentences"] == done2["usage"]["sentences"] == 2
+    assert len(one) > 0 and len(one) == len(split)
+    assert one == split
+    assert done1["usage"]["audio_seconds"] == pytest.approx(len(one) / 2 / 24000, abs=1e-3)
+
+
+def test_ws_cancel_stops_deltas_and_socket_stays(serve_url):
+    with connect(_ws_url(serve_url)) as ws:
+        ws.recv(timeout=30)
+        _send(ws, type="input_text.append", text=" ".join(f"Sentence number {i} is here." for i in range(8)))
+        _send(ws, type="input_text.commit")
+        first = json.loads(ws.recv(timeout=60))
+        assert first["type"] == "response.audio.delta"
+        rid = first["response_id"]
+        _send(ws, type="response.cancel")
+        while True:  # deltas already in flight may arrive before the acknowledgement
+            m = json.loads(ws.recv(timeout=30))
+            if m["type"] == "response.audio.done":
+                break
+            assert m["type"] == "response.audio.delta"
+        assert m["status"] == "cancelled" and m["response_id"] == rid
+        _send(ws, type="input_text.append", text="Short one.")
+        _send(ws, type="input_text.commit")
+        seen: list = []
+        pcm, done = _utterance(ws, seen)  # no delta of the cancelled response comes after its done
+        assert rid not in seen and done["status"] == "completed" and len(pcm) > 0
+
+
+def _gauge(serve_url: str) -> float:
+    text = httpx.get(f"{serve_url}/metrics", timeout=30).text
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("chimera_tts_websocket_sessions_active{")]
+    return sum(vals)
+
+
+def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("tts", app_name="chimera")
+    secret = "sk-never-in-logs-93f1c2"
+    with connect(_ws_url(serve_url, f"?api_key={secret}")) as ws:
+        ws.recv(timeout=30)
+        assert _gauge(serve_url) >= 1
+        _send(ws, type="input_text.append", text=" ".join(f"Sentence number {i} is here." for i in range(8)))
+        _send(ws, type="input_text.commit")
+        assert json.loads(ws.recv(timeout=60))["type"] == "response.audio.delta"
+        assert handle.active.remote().result() == 1
+        ws.close()  # mid-utterance
+    t0 = time.perf_counter()
+    while handle.active.remote().result() != 0 and time.perf_counter() - t0 < 5:
+        time.sleep(0.05)
+    assert handle.active.remote().result() == 0
+    assert time.perf_counter() - t0 < 1.5  # generation stopped within about a second
+    deadline = time.time() + 5
+    while _gauge(serve_url) != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _gauge(serve_url) == 0
+    import ray
+
+    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    for f in session_dir.rglob("*"):
+        if f.is_file() and f.stat().st_size < 50_000_000 and f.suffix in (".log", ".out", ".err", ".txt", ""):
+            assert secret not in f.read_text(errors="ignore"), f  # the api_key query parameter is never logged
+
+
+def test_ws_bad_input_keeps_socket_open(serve_url):
+    with connect(_ws_url(serve_url)) as ws:
+        ws.recv(timeout=30)
+        cases = [("{not json", "invalid_json"), (json.dumps([1, 2]), "invalid_event"),
+                 (json.dumps({"type": "bogus.event"}), "unknown_event"), (b"\x00\x01binary", "binary_not_supported"),
+                 (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "unknown_voice"),
+                 (json.dumps({"type": "session.update", "session": {"speed": 9}}), "invalid_speed"),
+                 (json.dumps({"type": "input_text.append", "text": 5}), "invalid_type"),
+                 (json.dumps({"type": "input_text.append", "text": "x" * 4097}), "input_too_long"),
+                 (json.dumps({"type": "input_text.commit"}), "empty_input")]
+        for msg, code in cases:
+            ws.send(msg)
+            m = json.loads(ws.recv(timeout=30))
+            assert m["type"] == "error" and m["error"]["code"] == code, (msg, m)
+        _send(ws, type="input_text.append", text="Still <laugh> here.")
+        _send(ws, type="input_text.clear")
+        _send(ws, type="input_text.append", text="Still here.")
+        _send(ws, type="input_text.commit")
+        pcm, done = _utterance(ws)
+        assert done["usage"]["sentences"] == 1 and len(pcm) == 4 * 2048 * 2
+
+
+def test_speech_metrics_recorded(serve_url, openai_client):
+    openai_client.audio.speech.create(model="chimera-tts", voice="dan", input="Metrics please.", response_format="pcm")
+    text = httpx.get(f"{serve_url}/metrics", timeout=30).text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("chimera_tts_time_to_first_audio_seconds_count",
+                                  "chimera_tts_real_time_factor_count"))}
+    assert counts["chimera_tts_time_to_first_audio_seconds_count"] >= 1
+    assert counts["chimera_tts_real_time_factor_count"] >= 1
+
+
+# --- loop guard through the router (scripted looping model; no Ray) -------------------------------------------
+def test_loop_guard_reported_in_usage(profile, model_dir):
+    from starlette.testclient import TestClient
+
+    from services.app import build_app
+    from services.backends import LocalBackend
+    from services.speech import Deployment
+    from tests.test_audio_engine import LoopingLM
+    from audio.engine import TTSEngine
+
+    dep = Deployment(profile.tts.model_dump(mode="json"), str(model_dir))
+    e = dep.engine
+    cfg = e.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
+    dep.engine = TTSEngine(cfg, LoopingLM(e.layout, e.tokenizer, e.lm.config.vocab_size), e.tokenizer, e.snac)
+    app = build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)})
+    t0 = time.perf_counter()
+    with TestClient(app) as client:
+        r = client.post("/v1/audio/speech", json={"input": "One is fine. Now loop forever. Three is fine.",
+                                                  "voice": "tara", "response_format": "pcm", "stream_format": "sse"})
+    assert r.status_code == 200 and time.perf_counter() - t0 < 60
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    usage = events[-1]["usage"]
+    assert usage["loops"] == [{"sentence": 1, "retries": 1, "cut_short": True}]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(pcm) == 2 * 6 * 2048 * 2  # sentences 0 and 2 in full (6 frames each); the loop dropped
+    assert dep.running == 0
