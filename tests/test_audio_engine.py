@@ -16,7 +16,7 @@ import torch
 from audio.config import LoopGuardConfig, TokenLayoutConfig, TTSConfig
 from audio.engine import SpeechAudio, SpeechDone, TTSEngine
 from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
-from audio.generate import find_loop, generate_frames
+from audio.generate import candidate_probs, find_loop, generate_frames, make_processors
 from audio.layout import FrameParser, TokenLayout, frames_to_snac_codes, parse_frames
 from audio.snac_stream import FRAME_SAMPLES, StreamingDecoder, decode_frames
 from audio.text import SentenceBuffer, clean_sentence, split_sentences
@@ -34,7 +34,7 @@ def test_real_layout_prompt_and_ids():
     assert lay.prompt_ids([128000, 42]) == [128259, 128000, 42, 128009, 128260, 128261, 128257]
     assert lay.audio_id(0, 0) == 128266
     assert lay.audio_id(6, 4095) == 128266 + 6 * 4096 + 4095
-    assert lay.vocab_size_needed == 128266 + 7 * 4096
+    assert lay.vocab_size_needed == 128266 + 7 * 4096 <= 156940  # Orpheus 3B's vocabulary holds the layout
     with pytest.raises(ValueError):
         lay.audio_id(7, 0)
 
@@ -89,6 +89,26 @@ def test_constrained_sampling_stays_aligned(engine):
     frames = list(generate_frames(engine.lm, engine.layout, prompt, cfg.sampling.model_copy(update={"temperature": 1.5}),
                                   cfg.loop_guard, 20, torch.Generator().manual_seed(3)))
     assert len(frames) == 20 and all(len(f) == 7 and all(0 <= c < 4096 for c in f) for f in frames)
+
+
+@pytest.mark.parametrize("n_generated", [0, 3, 7])
+def test_candidate_sampling_equals_full_vocabulary_processors(n_generated):
+    """The fast sampler (4k candidates) gives the distribution of the full-vocabulary logits processors."""
+    lay = TokenLayout(TokenLayoutConfig(audio_start=100, end_of_speech=3, start_of_speech=4, codebook_size=64))
+    from audio.config import SamplingConfig
+
+    s = SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.3)
+    g = torch.Generator().manual_seed(n_generated)
+    logits = torch.randn(100 + 7 * 64 + 5, generator=g) * 3
+    prompt = [5, 6, 7, 4]
+    gen = [lay.audio_id(i % 7, int(c)) for i, c in enumerate(torch.randint(0, 64, (n_generated,), generator=g))]
+    if n_generated == 7:
+        gen[0] = lay.audio_id(0, int(logits[100:164].argmax()))  # a penalised favourite
+    ids = torch.tensor([prompt + gen])
+    cand, probs = candidate_probs(logits, ids, len(prompt), s, lay)
+    full = torch.softmax(make_processors(lay, len(prompt), s)(ids, logits[None].clone())[0], -1)
+    assert torch.allclose(full[cand], probs, atol=1e-6) and float(full.sum() - full[cand].sum()) < 1e-6
+    assert (lay.end_of_speech in cand.tolist()) == (n_generated % 7 == 0)
 
 
 def test_max_frames_from_text(engine):
