@@ -77,6 +77,9 @@ class JobStore:
             sa.Column("error_code", sa.String(64), nullable=True),
             sa.Column("error_message", sa.Text, nullable=True),
             sa.Column("device", sa.String(64), nullable=True),
+            sa.Column("worker_pid", sa.Integer, nullable=True),
+            sa.Column("worker_started_at", sa.Float, nullable=True),
+            sa.Column("worker_finished_at", sa.Float, nullable=True),
             sa.Column("remixed_from", sa.String(64), nullable=True),
         )
         self.meta.create_all(self.engine)
@@ -178,7 +181,7 @@ def run_video_job(job_id: str, cfg_json: str, model_dir: str, job_dir: str, para
     reference for later extensions. Reports progress to ``manager`` (the JobManager actor handle).
 
     ``params``: ``{"request": VideoRequest dict, "image": bool, "extend": {"frames": path, ...} | None}``.
-    Returns ``{"frames": int, "fps": int}``. Raises NonFiniteOutputError, ValueError, OSError."""
+    Returns ``{"frames", "fps", "started", "finished"}`` (wall-clock seconds measured in the worker). Raises NonFiniteOutputError, ValueError, OSError."""
     import numpy as np
     import torch
     from PIL import Image
@@ -188,6 +191,7 @@ def run_video_job(job_id: str, cfg_json: str, model_dir: str, job_dir: str, para
     from video.media import decode_video, encode_mp4, image_to_tensor, png_bytes, to_uint8
     from video.request import VideoRequest
 
+    t0 = time.time()
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     device = "cuda" if params.get("gpus_per_job") and torch.cuda.is_available() else None
     manager.started.remote(job_id, gpus if gpus is not None else "cpu", os.getpid())
@@ -222,7 +226,7 @@ def run_video_job(job_id: str, cfg_json: str, model_dir: str, job_dir: str, para
     np.save(jd / "last_frame.npy", result.frames[-1].numpy().astype(np.float32))
     (jd / "meta.json").write_text(json.dumps({"reference": result.reference.to_dict(), "frames": int(len(frames)),
                                               "fps": req.fps, "width": req.width, "height": req.height}))
-    return {"frames": int(len(frames)), "fps": req.fps}
+    return {"frames": int(len(frames)), "fps": req.fps, "started": t0, "finished": time.time()}
 
 
 # ---- the manager actor ---------------------------------------------------------------------------------------
@@ -341,8 +345,8 @@ class JobManager:
             now = time.time()
             self.store.update_if_active(job_id, status="completed", phase="encoding", progress=100,
                                         clips_done=self.store.get(job_id)["clips_total"], completed_at=now,
-                                        expires_at=now + self.cfg.jobs.ttl_s)
-            del result
+                                        expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
+                                        worker_finished_at=result["finished"])
         except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as exc:
             self.store.update_if_active(job_id, status="failed", error_code="worker_died",
                                         error_message=f"the job's worker stopped: {type(exc).__name__}",
@@ -363,7 +367,7 @@ class JobManager:
     # -- reports from job tasks
     async def started(self, job_id: str, device: str, pid: int) -> None:
         self.store.update_if_active(job_id, status="in_progress", phase="denoising", started_at=time.time(),
-                                    device=str(device))
+                                    device=str(device), worker_pid=int(pid))
 
     async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
         self.store.update_if_active(job_id, status="in_progress", phase=phase, progress=min(99, int(percent)),

@@ -1,0 +1,116 @@
+"""Video job manager on Ray (no Serve): one GPU per job, cancel frees the worker, restart recovery.
+
+Ray runs with 2 logical GPUs (the ``ray_cluster`` fixture), so one-GPU-per-job scheduling is tested without
+hardware. Each test starts its own JobManager actor on a temporary store and results directory.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psutil
+import pytest
+
+from services.jobs import JobError, JobManager
+from video.request import plan_request
+
+
+def _manager(ray, profile, model_dir, tmp_path, name=None, **jobs):
+    cfg = profile.video.engine.model_copy(deep=True)
+    cfg.jobs = cfg.jobs.model_copy(update={"store_url": f"sqlite:///{tmp_path}/jobs.sqlite",
+                                           "results_dir": str(tmp_path / "results"), "cpus_per_job": 0.25,
+                                           **jobs})
+    actor = ray.remote(JobManager).options(name=name or f"test-jobs-{uuid.uuid4().hex[:8]}", namespace="tests",
+                                           num_cpus=0, max_concurrency=64)
+    return actor.remote(cfg.model_dump(mode="json"), str(model_dir), "chimera-video"), cfg
+
+
+def _submit(ray, mgr, cfg, **fields):
+    req = plan_request(cfg, {"prompt": "a red kite over the sea", **fields})
+    return ray.get(mgr.create.remote(req.to_dict()))["id"]
+
+
+def _wait(ray, mgr, job_id, until, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rec = ray.get(mgr.record.remote(job_id))
+        if until(rec):
+            return rec
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting on {job_id}: {rec['status']} {rec['progress']}")
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+LONG = {"seconds": 32, "num_inference_steps": 50, "size": "128x128"}  # 8 clips x 50 steps: several seconds
+
+
+def test_one_gpu_per_job(ray_cluster, profile, model_dir, tmp_path):
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, gpus_per_job=1)
+    ids = [_submit(ray, mgr, cfg, seconds=8, num_inference_steps=3, seed=i) for i in range(4)]
+    recs = [_wait(ray, mgr, i, lambda r: r["status"] not in ("queued", "in_progress")) for i in ids]
+    assert [r["status"] for r in recs] == ["completed"] * 4, [r["error_message"] for r in recs]
+    assert {r["device"] for r in recs} <= {"0", "1"}
+    spans = [(r["worker_started_at"], r["worker_finished_at"], r["device"]) for r in recs]
+    for t, _, _ in spans:  # the jobs running at each job's start instant
+        running = [d for s, e, d in spans if s <= t < e]
+        assert len(running) <= 2
+        assert len(set(running)) == len(running)  # each running job its own GPU
+    assert ray.get(mgr.running.remote()) == []
+    ray.kill(mgr)
+
+
+def test_cancel_frees_the_worker(ray_cluster, profile, model_dir, tmp_path):
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, gpus_per_job=1)
+    job = _submit(ray, mgr, cfg, **LONG)
+    rec = _wait(ray, mgr, job, lambda r: r["status"] == "in_progress" and r["progress"] > 0)
+    t0 = time.time()
+    out = ray.get(mgr.delete.remote(job))
+    assert out == {"id": job, "object": "video.deleted", "deleted": True}
+    assert _gone(rec["worker_pid"]), "the job's worker still runs after cancel"
+    assert time.time() - t0 < 10
+    with pytest.raises(Exception) as e:  # deleting twice: 404
+        ray.get(mgr.delete.remote(job))
+    assert isinstance(e.value.cause, JobError) and e.value.cause.status_code == 404
+    assert not (tmp_path / "results" / job).exists()
+    deadline = time.time() + 10
+    while ray.available_resources().get("GPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("GPU", 0) == 2
+    ray.kill(mgr)
+
+
+def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
+    from video.media import decode_video
+
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    done = _submit(ray, mgr, cfg, num_inference_steps=2)
+    _wait(ray, mgr, done, lambda r: r["status"] == "completed")
+    running = _submit(ray, mgr, cfg, **LONG)
+    rec = _wait(ray, mgr, running, lambda r: r["status"] == "in_progress" and r["progress"] > 0)
+    ray.kill(mgr)  # the service dies mid-job
+    assert _gone(rec["worker_pid"]), "the job's worker outlived its manager"
+
+    mgr2, _ = _manager(ray, profile, model_dir, tmp_path)  # a new service on the same store and results
+    page = ray.get(mgr2.list.remote())
+    assert [v["id"] for v in page["data"]] == [running, done]
+    v = ray.get(mgr2.get.remote(running))
+    assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
+    assert ray.get(mgr2.get.remote(done))["status"] == "completed"
+    frames, _ = decode_video(ray.get(mgr2.content.remote(done)))
+    assert frames.shape == (9, 64, 64, 3)
+    with pytest.raises(Exception) as e:  # the interrupted job has no content: 409
+        ray.get(mgr2.content.remote(running))
+    assert e.value.cause.status_code == 409
+    ray.kill(mgr2)
