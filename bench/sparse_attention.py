@@ -1,0 +1,159 @@
+"""Dense SDPA vs block-sparse attention (video/sparse_attention.py), side by side in one run.
+
+For growing latent grids of an 81-frame Wan clip (21 latent frames; 4k, 8k, 16k tokens on the CPU, Wan2.1's
+21 x 30 x 52 = 32,760 with --gpu-sizes), with Wan's 128-dim heads:
+- time of `F.scaled_dot_product_attention` vs `block_sparse_attention` (tile permutation + pooled top-k block
+  selection + compiled flex_attention + inverse permutation, all included) at keep 0.125, and the ratio;
+- the fitted growth exponent of each (time ~ tokens^p): dense ~2; sparse at a fixed kept *fraction* is still
+  quadratic (kept blocks per row grow with length), so a fixed kept *budget* (2048 keys per query, = 0.125 at 16k)
+  is timed too: that one grows ~linearly;
+- relative error ||sparse - dense|| / ||dense|| at keep 0.125 / 0.25 / 0.5 on attention inputs with real
+  spatio-temporal structure: scikit-image's `no_time_for_that_tiny.gif` clip resampled to the latent grid,
+  through a seeded random 3x3x3 conv (local features) and q/k/v projections with RMS norm and Wan's 3-D RoPE
+  (diffusers' WanRotaryPosEmbed), as in a Wan self-attention layer; the same on i.i.d. noise for contrast.
+
+Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side
+by side so they hold). `bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from video.sparse_attention import block_sparse_attention
+
+CPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30)]  # 4,032 / 8,316 / 16,380 tokens
+GPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30), (21, 30, 52)]  # + Wan2.1 480x832x81: 32,760
+
+
+def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0):
+    """q, k, v [1, heads, N, head_dim] from the real GIF clip resampled to `grid` (frames, height, width)."""
+    import imageio.v3 as iio
+    import skimage
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    from video.sparse_attention import _apply_rotary_emb
+
+    path = os.path.join(os.path.dirname(skimage.__file__), "data", "no_time_for_that_tiny.gif")
+    frames = torch.from_numpy(np.asarray(iio.imread(path))).float() / 255.0  # [24, 25, 14, 3]
+    video = frames.permute(3, 0, 1, 2)[None]  # [1, 3, T, H, W]
+    video = F.interpolate(video, size=grid, mode="trilinear", align_corners=False)
+    video = (video - video.mean()) / video.std()
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(64, 3, 3, 3, 3, generator=g) / math.sqrt(81)
+    feats = F.gelu(F.conv3d(video, conv, padding=1))[0].flatten(1).T  # [N, 64], frame-major
+    feats = F.layer_norm(feats, (64,))
+    inner = heads * head_dim
+    wq = torch.randn(64, inner, generator=g) / 8
+    wk = wq + 0.5 * torch.randn(64, inner, generator=g) / 8  # similar content -> high q.k
+    wv = torch.randn(64, inner, generator=g) / 8
+
+    def heads_of(x):  # [N, inner] -> [1, N, heads, head_dim]
+        return x.view(1, -1, heads, head_dim)
+
+    q = heads_of(F.rms_norm(feats @ wq, (inner,)))
+    k = heads_of(F.rms_norm(feats @ wk, (inner,)))
+    v = heads_of(feats @ wv)
+    rope = WanRotaryPosEmbed(head_dim, (1, 2, 2), 1024)(torch.zeros(1, 1, grid[0], 2 * grid[1], 2 * grid[2]))
+    q, k = _apply_rotary_emb(q, *rope), _apply_rotary_emb(k, *rope)
+    return [x.transpose(1, 2).contiguous().to(device, dtype) for x in (q, k, v)]
+
+
+def timed(fns: dict, repeats: int, device) -> dict:
+    """Median seconds per call of each function in `fns`, called in turn (interleaved, so that load from other
+    processes hits all alike), after one warm-up call each (which also compiles)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = {name: [] for name in fns}
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            if r:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius, in float32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def slope(xs, ys) -> float:
+    """Least-squares slope of log(ys) against log(xs): the growth exponent."""
+    lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--keep", type=float, default=0.125)
+    ap.add_argument("--budget", type=int, default=2048, help="kept keys per query for the fixed-budget series")
+    ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    grids = GPU_GRIDS if args.gpu_sizes else CPU_GRIDS
+    print(f"torch {torch.__version__}, device {device}, {dtype}, {args.heads} heads x {args.head_dim}, "
+          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}")
+    print(f"{'tokens':>7} {'grid':>12} {'dense ms':>10} {'sparse ms':>10} {'ratio':>6}   "
+          f"{'budget keep':>11} {'budget ms':>10} {'ratio':>6}")
+    sizes, t_dense, t_sparse, t_budget, last = [], [], [], [], None
+    for grid in grids:
+        n = math.prod(grid)
+        q, k, v = clip_features(grid, args.heads, args.head_dim, device, dtype)
+        budget_keep = min(1.0, args.budget / n)
+        t = timed({
+            "dense": lambda: F.scaled_dot_product_attention(q, k, v),
+            "sparse": lambda: block_sparse_attention(q, k, v, grid, args.keep),
+            "budget": lambda: block_sparse_attention(q, k, v, grid, budget_keep),
+        }, args.repeats, device)
+        td, ts, tb = t["dense"], t["sparse"], t["budget"]
+        sizes.append(n)
+        t_dense.append(td)
+        t_sparse.append(ts)
+        t_budget.append(tb)
+        print(f"{n:>7} {'x'.join(map(str, grid)):>12} {td * 1e3:>10.1f} {ts * 1e3:>10.1f} {td / ts:>5.2f}x   "
+              f"{budget_keep:>11.3f} {tb * 1e3:>10.1f} {td / tb:>5.2f}x", flush=True)
+        last = (grid, q, k, v)
+
+    print(f"growth exponent (time ~ tokens^p): dense {slope(sizes, t_dense):.2f}, "
+          f"sparse keep {args.keep} {slope(sizes, t_sparse):.2f}, "
+          f"sparse fixed budget {args.budget} keys {slope(sizes, t_budget):.2f}")
+
+    grid, q, k, v = last
+    n = math.prod(grid)
+    dense = F.scaled_dot_product_attention(q, k, v)
+    g = torch.Generator().manual_seed(1)
+    noise = [torch.randn(q.shape, generator=g).to(device, dtype) for _ in range(3)]
+    noise_dense = F.scaled_dot_product_attention(*noise)
+    print(f"relative error ||sparse - dense|| / ||dense|| at {n} tokens:")
+    for keep in (0.125, 0.25, 0.5):
+        clip = rel_err(block_sparse_attention(q, k, v, grid, keep), dense)
+        rand = rel_err(block_sparse_attention(*noise, grid, keep), noise_dense)
+        print(f"  keep {keep:<5}: clip features {clip:.4f}   (i.i.d. noise inputs {rand:.4f})")
+
+
+if __name__ == "__main__":
+    main()
