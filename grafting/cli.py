@@ -1,0 +1,142 @@
+"""``chimera graft ...``: synthetic data, tower pretraining, projector training, evaluation, export.
+
+The typer app ``graft_app`` is mounted by ``services/cli.py``; it is also runnable alone
+(``python -m grafting.cli``) and under ``accelerate launch -m grafting.cli train --config ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import typer
+
+graft_app = typer.Typer(help="Grafting: synthetic data, tower pretraining, projector training, evaluation.",
+                        no_args_is_help=True)
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@graft_app.command()
+def synth(out: Path = typer.Option(Path("runs/synth"), help="output folder"),
+          n_train: int = typer.Option(2000, help="training images (one caption row + one QA row each)"),
+          n_test: int = typer.Option(200, help="held-out test images (one question row per question type)"),
+          seed: int = typer.Option(0), canvas: int = typer.Option(112, help="image side in pixels")):
+    """Write the synthetic shape dataset (LLaVA JSONL + PNG images) with its held-out split."""
+    from .synth import write_dataset
+
+    paths = write_dataset(out, n_train, n_test, seed, canvas)
+    typer.echo(json.dumps({k: str(v) for k, v in paths.items()}))
+
+
+@graft_app.command("pretrain-tower")
+def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower (save_pretrained)"),
+                       steps: int = typer.Option(1800), batch_size: int = typer.Option(32),
+                       lr: float = typer.Option(1e-3), seed: int = typer.Option(0),
+                       hidden_size: int = typer.Option(192), layers: int = typer.Option(3),
+                       heads: int = typer.Option(4), intermediate_size: int = typer.Option(512)):
+    """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
+    import torch
+
+    from .config import TowerBuild
+    from .pretrain_tower import PretrainTowerConfig, pretrain_tower
+
+    torch.manual_seed(seed)
+    cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
+                                               num_attention_heads=heads, intermediate_size=intermediate_size),
+                              steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    m = pretrain_tower(cfg, out, log=typer.echo)
+    typer.echo(json.dumps({"test_probe_accuracy": m["test_probe_accuracy"], "seconds": round(m["seconds"], 1)}))
+
+
+@graft_app.command()
+def train(config: Path = typer.Option(..., help="training YAML (configs/graft/*.yaml)"),
+          output_dir: str = typer.Option(None, help="override output_dir"),
+          dry_run: bool = typer.Option(False, help="build on the meta device and report; no training")):
+    """Train the projector (tower and LLM frozen); stages, checkpoints and resume as configured."""
+    from .train import TrainConfig, dry_run as do_dry_run, train as do_train
+
+    cfg = TrainConfig.from_yaml(config, output_dir=output_dir)
+    if dry_run:
+        rep = do_dry_run(cfg)
+        rep["devices"] = sorted(rep["devices"])
+        typer.echo(json.dumps(rep))
+        return
+    typer.echo(json.dumps(do_train(cfg, log=typer.echo)))
+
+
+@graft_app.command("eval")
+def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (graft.json + projector/)"),
+             data: Path = typer.Option(..., help="test.jsonl (synthetic), MMStar/MMMU-Pro .tsv or .jsonl"),
+             conditions: str = typer.Option("image,blind,shuffled", help="comma list of image|blind|shuffled"),
+             kl: bool = typer.Option(True, help="also measure text-only KL vs the base LLM"),
+             tower: str = typer.Option(None, help="override the tower named in graft.json"),
+             llm_dtype: str = typer.Option("bfloat16"), limit: int = typer.Option(None, help="first N items"),
+             types: str = typer.Option(None, help="comma list of question types to keep"),
+             out: Path = typer.Option(None, help="write the results as JSON here")):
+    """Multiple-choice accuracy by answer likelihood, blind/shuffled baselines and text-only KL."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    from .evaluate import predict, random_chance, summarize, text_kl
+    from .mcq import read_items
+    from .train import load_checkpoint_config, load_graft
+
+    acc = Accelerator()
+    mc = load_checkpoint_config(checkpoint)
+    mc.llm_dtype = llm_dtype
+    if tower:
+        mc.tower = tower
+    vlm, processor = load_graft(mc, acc.device)
+    items = read_items(data, limit)
+    if types:
+        items = [it for it in items if it.question_type in types.split(",")]
+    res = {"checkpoint": str(checkpoint), "data": str(data), "chance": random_chance(items)}
+    for cond in [c.strip() for c in conditions.split(",") if c.strip()]:
+        part = predict(vlm, processor, items, cond, shard=(acc.process_index, acc.num_processes),
+                       progress=acc.is_main_process)
+        merged = {}
+        for d in gather_object([part]):
+            merged.update(d)
+        res[cond] = summarize(items, merged, cond)
+    if kl and acc.is_main_process:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(mc.llm, dtype=vlm.llm.dtype).to(acc.device).eval()
+        vals = text_kl(vlm, base, processor)
+        res["text_kl"] = {"n_prompts": len(vals), "max": max(vals), "mean": sum(vals) / len(vals)}
+        del base
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if acc.is_main_process:
+        text = json.dumps(res, indent=2)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        typer.echo(text)
+
+
+@graft_app.command()
+def export(checkpoint: Path = typer.Option(..., help="trained checkpoint folder (graft.json + projector/)"),
+           name: str = typer.Option(..., help="folder name under grafting/assets"),
+           dtype: str = typer.Option("float16", help="storage dtype of tower and projector weights")):
+    """Copy a trained projector and its tower into ``grafting/assets/<name>`` (``build.shipped_graft``)."""
+    import torch
+    from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel
+
+    from .projector import GraftProjector
+
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    g = json.loads((checkpoint / "graft.json").read_text())
+    dest = ASSETS / name
+    shutil.rmtree(dest, ignore_errors=True)
+    Kimi_K25VisionModel.from_pretrained(g["tower"]).to(dt).save_pretrained(dest / "tower")
+    Kimi_K25ImageProcessor.from_pretrained(g["tower"]).save_pretrained(dest / "tower")
+    GraftProjector.from_pretrained(checkpoint / "projector").to(dt).save_pretrained(dest / "projector")
+    g.update(tower="tower", projector="projector", exported_dtype=dtype)
+    (dest / "graft.json").write_text(json.dumps(g, indent=2))
+    typer.echo(str(dest))
+
+
+if __name__ == "__main__":
+    graft_app()

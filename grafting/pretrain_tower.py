@@ -1,0 +1,132 @@
+"""Pretraining the cpu profile's small MoonViT on synthetic shape/colour classification (``chimera graft
+pretrain-tower``).
+
+The real graft starts from a pretrained encoder (MoonViT). The cpu profile's tower is a small
+``Kimi_K25VisionModel`` of the same architecture; a random one carries colour but barely shape, so it is first
+trained here as a plain multi-task classifier (colour, shape, count, size, position heads on the mean of its
+merged patch features), then saved and frozen. The heads are thrown away; grafting never updates the tower.
+Seeded and deterministic on one thread (same seed, same weights).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from .config import TowerBuild
+from .synth import COLOURS, COUNTS, POSITIONS, SHAPES, SIZES, render, sample_scene
+from .tower import build_random_tower, build_tower_config
+
+HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS), "size": list(SIZES),
+         "position": list(POSITIONS) + [None]}
+
+
+class PretrainTowerConfig(BaseModel):
+    """Tower sizes (:class:`~grafting.config.TowerBuild`), optimisation (steps, batch of images, AdamW peak lr
+    with 5% warmup then cosine), image canvas in pixels and the processor's longest side in pixels."""
+
+    model_config = ConfigDict(extra="forbid")
+    tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
+                                   intermediate_size=512)
+    steps: int = 1800
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    canvas: int = 112
+    max_image_side: int = 224
+    eval_images: int = 256
+    seed: int = 0
+
+
+def _labels(scenes) -> dict[str, torch.Tensor]:
+    field = {"colour": "colour", "shape": "shape", "count": "count", "size": "size", "position": "position"}
+    return {k: torch.tensor([HEADS[k].index(getattr(s, field[k])) for s in scenes]) for k in HEADS}
+
+
+class TowerClassifier(nn.Module):
+    """The tower plus one linear head per attribute on the mean of its merged patch features.
+
+    forward(pixel_values ``(P, 3, 14, 14)`` float, grid ``(B, 3)`` long) -> ``{head: (B, classes)}`` logits."""
+
+    def __init__(self, tower: nn.Module):
+        super().__init__()
+        self.tower = tower
+        c = tower.config.hidden_size
+        self.norm = nn.LayerNorm(c)
+        self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in HEADS.items()})
+
+    def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+        groups = self.tower(pixel_values, grid_thw=grid).pooler_output  # (N, 4, C), images in order
+        per_image = (grid[:, 1] * grid[:, 2] // 4).tolist()
+        pooled = torch.stack([g.mean(dim=(0, 1)) for g in groups.split(per_image)])
+        pooled = self.norm(pooled)
+        return {k: h(pooled) for k, h in self.heads.items()}
+
+
+def _batch(processor, rng: random.Random, n: int, split: str, canvas: int):
+    scenes = [sample_scene(rng, split, canvas) for _ in range(n)]
+    feats = processor(images=[render(s, split, canvas) for s in scenes], return_tensors="pt")
+    return feats["pixel_values"], feats["image_grid_thw"], _labels(scenes)
+
+
+@torch.no_grad()
+def probe_accuracy(model: TowerClassifier, processor, cfg: PretrainTowerConfig, split: str = "test") -> dict:
+    """Head accuracy on ``cfg.eval_images`` fresh images of ``split`` (test: drawn differently, held-out pairs)."""
+    model.eval()
+    rng = random.Random(cfg.seed + 7)
+    correct = {k: 0 for k in HEADS}
+    for start in range(0, cfg.eval_images, 64):
+        pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas)
+        out = model(pv, grid)
+        for k in HEADS:
+            correct[k] += int((out[k].argmax(-1) == labels[k]).sum())
+    model.train()
+    return {k: v / cfg.eval_images for k, v in correct.items()}
+
+
+def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> dict:
+    """Train a seeded random MoonViT as a shape classifier and save it (``save_pretrained`` + the
+    ``Kimi_K25ImageProcessor`` config) to ``out_dir``, with ``pretrain_metrics.json`` (loss curve and probe
+    accuracy on the test split). Returns the metrics."""
+    from transformers import Kimi_K25ImageProcessor, get_cosine_schedule_with_warmup
+
+    t = cfg.tower
+    tower = build_random_tower(build_tower_config(t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
+                                                  t.intermediate_size, t.pos_emb_height, t.pos_emb_width), cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = TowerClassifier(tower).train()
+    side = cfg.max_image_side // 14
+    processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, max(1, cfg.steps // 20), cfg.steps)
+    rng = random.Random(cfg.seed)
+    curve, t0 = [], time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        pv, grid, labels = _batch(processor, rng, cfg.batch_size, "pretrain", cfg.canvas)
+        out = model(pv, grid)
+        loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in HEADS)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        curve.append(loss.item())
+        if step % 50 == 0 or step == cfg.steps:
+            log(f"pretrain-tower step {step}/{cfg.steps} loss {sum(curve[-50:]) / len(curve[-50:]):.4f} "
+                f"{(time.perf_counter() - t0) / step:.3f} s/step")
+    acc = probe_accuracy(model, processor, cfg, "test")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tower.eval().save_pretrained(out)
+    processor.save_pretrained(out)
+    metrics = {"config": cfg.model_dump(), "loss": curve, "test_probe_accuracy": acc,
+               "seconds": time.perf_counter() - t0}
+    (out / "pretrain_metrics.json").write_text(json.dumps(metrics))
+    log(f"pretrain-tower test probe accuracy {acc}")
+    return metrics

@@ -1,0 +1,373 @@
+"""Projector-only training of the graft (``chimera graft train --config configs/graft/<name>.yaml``).
+
+LLaVA-style feature alignment (arXiv:2304.08485) with Kimi's projector: the vision tower and the LLM are frozen;
+only the projector (optionally plus peft LoRA adapters on the LLM, off by default) gets gradients. Stages run in
+order in one config (captions first, then question/answer conversations) under one AdamW optimizer with linear
+warmup and cosine decay over all steps. Runs on one CPU or under ``accelerate launch`` on several GPUs
+(DDP over the projector; each process reads its own slice of every global batch, so data order does not depend
+on the number of processes). Checkpoints hold only the projector (safetensors) plus ``graft.json`` naming the
+tower and the LLM, and ``trainer_state.pt`` for resuming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from .config import ImageTokens
+from .data import IGNORE, ConversationDataset, collate, read_jsonl
+from .model import GraftedVLM, ImageTokenIds
+from .processor import GraftProcessor
+from .projector import GraftProjector, GraftProjectorConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class GraftModelConfig(_Strict):
+    """What is grafted: ``tower`` (MoonViT directory / hub id, or a full VLM checkpoint with
+    ``tower_key_prefix``), ``llm`` (causal LM directory / hub id), the image placeholder tokens, the image size
+    cap in pixels, backbone dtypes, the projector's middle width and an optional projector to start from.
+    ``meta_llm_config``/``meta_tower_config``: config kwargs used only by ``--dry-run`` (no download)."""
+
+    tower: str
+    llm: str
+    tower_key_prefix: str | None = None
+    image_tokens: ImageTokens = ImageTokens()
+    max_image_side: int = Field(224, ge=28)
+    max_prompt_tokens: int = 1024
+    llm_dtype: str = Field("bfloat16", pattern="^(float32|bfloat16|float16)$")
+    tower_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    projector_mid_size: int | None = None
+    init_projector: str | None = None
+    meta_llm_config: dict | None = None
+    meta_tower_config: dict | None = None
+
+
+class Stage(_Strict):
+    """One training stage: a LLaVA JSONL file and a number of optimizer steps."""
+
+    name: str
+    data: str
+    steps: int = Field(gt=0)
+
+
+class OptimConfig(_Strict):
+    """AdamW (peak ``lr``) with ``warmup_ratio`` of all steps linear warmup, then cosine decay to 0.
+    ``batch_size`` rows per process per micro-step; ``grad_accum`` micro-steps per optimizer step."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_ratio: float = 0.05
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+
+
+class LoraOptions(_Strict):
+    """Optional peft LoRA adapters on the LLM (off by default: the LLM stays exactly the base model)."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    target_modules: list[str] = ["q_proj", "v_proj"]
+
+
+class TrainConfig(_Strict):
+    """A training run (one YAML file under ``configs/graft``). ``mixed_precision``: ``no`` (fp32) or ``bf16``
+    autocast. ``resume``: ``auto`` (latest checkpoint in ``output_dir`` if any), a checkpoint path, or null."""
+
+    output_dir: str
+    model: GraftModelConfig
+    stages: list[Stage]
+    optim: OptimConfig = OptimConfig()
+    mixed_precision: str = Field("bf16", pattern="^(no|bf16|fp16)$")
+    gradient_checkpointing: bool = False
+    lora: LoraOptions = LoraOptions()
+    seed: int = 0
+    save_every: int = 100
+    log_every: int = 10
+    resume: str | None = "auto"
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps over all stages."""
+        return sum(s.steps for s in self.stages)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":
+        """Load a YAML config; ``overrides`` replace top-level keys. Raises pydantic.ValidationError."""
+        data = yaml.safe_load(Path(path).read_text())
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)
+
+
+# -- model ----------------------------------------------------------------------------------------
+def load_graft(mc: GraftModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> tuple[GraftedVLM, GraftProcessor]:
+    """Load tower, LLM and tokenizer with ``from_pretrained``; the projector from ``init_projector`` or freshly
+    initialised (seeded). Tower and LLM come back frozen. Raises OSError when a checkpoint is missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
+
+    from .tower import load_tower
+
+    llm = AutoModelForCausalLM.from_pretrained(mc.llm, dtype=DTYPES[mc.llm_dtype]).to(device)
+    tower = load_tower(mc.tower, dtype=DTYPES[mc.tower_dtype], device=str(device), key_prefix=mc.tower_key_prefix)
+    tokenizer = AutoTokenizer.from_pretrained(mc.llm)
+    side = mc.max_image_side // 14
+    try:
+        image_processor = Kimi_K25ImageProcessor.from_pretrained(mc.tower, size={"max_height": side, "max_width": side})
+    except OSError:
+        image_processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
+    if mc.init_projector:
+        projector = GraftProjector.from_pretrained(mc.init_projector, dtype=torch.float32)
+    else:
+        torch.manual_seed(seed)
+        projector = GraftProjector(GraftProjectorConfig(
+            vision_hidden_size=tower.config.hidden_size, merge_size=4, mid_size=mc.projector_mid_size,
+            llm_hidden_size=llm.config.hidden_size))
+    t = mc.image_tokens
+    processor = GraftProcessor(tokenizer, image_processor, (t.start, t.image, t.end),
+                               max_prompt_tokens=mc.max_prompt_tokens)
+    vlm = GraftedVLM(tower, projector.to(device), llm, processor.image_token_ids)
+    vlm.freeze_backbones()
+    return vlm, processor
+
+
+def token_loss(vlm: GraftedVLM, batch: dict) -> torch.Tensor:
+    """Mean next-token cross-entropy over labelled (assistant) positions, float32 scalar.
+
+    Only labelled positions go through the LM head (a 49k-152k-row matmul), which is most of the saving over
+    ``labels=`` on the full logits. batch: ``input_ids``/``labels``/``attention_mask`` ``(B, T)``,
+    ``pixel_values``/``image_grid_thw`` as made by :func:`grafting.data.collate`.
+    """
+    embeds = vlm.embed(batch["input_ids"], batch.get("pixel_values"), batch.get("image_grid_thw"))
+    h = vlm.llm.get_decoder()(inputs_embeds=embeds, attention_mask=batch["attention_mask"].to(embeds.device)).last_hidden_state
+    target = batch["labels"][:, 1:].to(h.device)
+    keep = target != IGNORE
+    logits = vlm.llm.get_output_embeddings()(h[:, :-1][keep]).float()
+    return nn.functional.cross_entropy(logits, target[keep])
+
+
+class GraftForTraining(nn.Module):
+    """What accelerate prepares (and DDP wraps): ``forward(batch) -> loss``. ``train()`` keeps the frozen
+    tower and LLM in eval mode (no dropout, exact base LLM)."""
+
+    def __init__(self, vlm: GraftedVLM, llm_train_mode: bool = False):
+        super().__init__()
+        self.vlm = vlm
+        self.llm_train_mode = llm_train_mode
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.vlm.tower.eval()
+        self.vlm.llm.train(mode and self.llm_train_mode)  # gradient checkpointing only acts in train mode
+        return self
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return token_loss(self.vlm, batch)
+
+
+def trainable_parameters(vlm: GraftedVLM) -> list[nn.Parameter]:
+    """Parameters that train: the projector's, plus LoRA adapters when enabled."""
+    return [p for p in vlm.parameters() if p.requires_grad]
+
+
+# -- data order -----------------------------------------------------------------------------------
+def sample_order(n_rows: int, n_samples: int, seed: int) -> list[int]:
+    """Row indices for ``n_samples`` draws: concatenated seeded permutations (epochs) of ``range(n_rows)``."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n_samples:
+        perm = list(range(n_rows))
+        rng.shuffle(perm)
+        out += perm
+    return out[:n_samples]
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def save_checkpoint(path: Path, vlm: GraftedVLM, cfg: TrainConfig, step: int, stage: str,
+                    optimizer=None, scheduler=None) -> None:
+    """Write ``projector/`` (safetensors + config), ``graft.json`` (tower, LLM, image tokens, step) and, with an
+    optimizer, ``trainer_state.pt``; ``lora/`` when LoRA is on."""
+    path.mkdir(parents=True, exist_ok=True)
+    vlm.projector.save_pretrained(path / "projector")
+    if cfg.lora.enabled:
+        vlm.llm.save_pretrained(path / "lora")
+    mc = cfg.model
+    graft = {"tower": mc.tower, "tower_key_prefix": mc.tower_key_prefix, "llm": mc.llm,
+             "image_tokens": mc.image_tokens.model_dump(), "max_image_side": mc.max_image_side,
+             "projector": "projector", "step": step, "stage": stage, "lora": cfg.lora.enabled}
+    (path / "graft.json").write_text(json.dumps(graft, indent=2))
+    if optimizer is not None:
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   path / "trainer_state.pt")
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The ``checkpoint-<step>`` folder with the highest step that has a ``trainer_state.pt``, or None."""
+    ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.pt").exists()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[1])) if ckpts else None
+
+
+def load_checkpoint_config(path: str | Path) -> GraftModelConfig:
+    """The :class:`GraftModelConfig` that loads a saved checkpoint (``graft.json`` + ``projector/``)."""
+    path = Path(path)
+    g = json.loads((path / "graft.json").read_text())
+    return GraftModelConfig(tower=g["tower"], llm=g["llm"], tower_key_prefix=g.get("tower_key_prefix"),
+                            image_tokens=ImageTokens(**g["image_tokens"]), max_image_side=g["max_image_side"],
+                            init_projector=str(path / g.get("projector", "projector")))
+
+
+# -- the loop -------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, log=print) -> dict:
+    """Run all stages; returns ``{"final": path, "steps": n, "last_loss": x, "seconds_per_step": s}``.
+
+    Writes ``log.csv`` (step, stage, loss, lr, tokens, seconds) and ``checkpoint-<step>/`` every
+    ``save_every`` steps plus ``final/`` in ``output_dir``. Resumes from the latest checkpoint when
+    ``resume: auto``. Raises ValueError for an empty stage file or a conversation over ``max_prompt_tokens``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    acc = Accelerator(mixed_precision=cfg.mixed_precision)
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    vlm, processor = load_graft(cfg.model, acc.device, cfg.seed)
+    if cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        vlm.llm = get_peft_model(vlm.llm, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                                                     target_modules=cfg.lora.target_modules))
+    if cfg.gradient_checkpointing:
+        vlm.llm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        vlm.llm.enable_input_require_grads()
+    params = trainable_parameters(vlm)
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)
+    sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.optim.warmup_ratio * cfg.total_steps), cfg.total_steps)
+    start = 0
+    ckpt = latest_checkpoint(out) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume else None)
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        loaded = GraftProjector.from_pretrained(ckpt / "projector", dtype=torch.float32)
+        vlm.projector.load_state_dict(loaded.state_dict())
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = state["step"]
+        log(f"resumed from {ckpt} at step {start}")
+    module = GraftForTraining(vlm, llm_train_mode=cfg.gradient_checkpointing)
+    module, opt = acc.prepare(module, opt)
+    module.train()
+
+    B, A, W, r = cfg.optim.batch_size, cfg.optim.grad_accum, acc.num_processes, acc.process_index
+    pad = processor.tokenizer.pad_token_id if processor.tokenizer.pad_token_id is not None else processor.tokenizer.eos_token_id
+    plan = []  # (stage, dataset, order, first global step)
+    first = 0
+    for i, st in enumerate(cfg.stages):
+        rows = read_jsonl(st.data)
+        if not rows:
+            raise ValueError(f"stage {st.name}: {st.data} has no rows")
+        plan.append((st, ConversationDataset(rows, processor), sample_order(len(rows), st.steps * A * W * B, cfg.seed + i), first))
+        first += st.steps
+    log_path = out / "log.csv"
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        if start == 0 or not log_path.exists():
+            log_path.write_text("step,stage,loss,lr,tokens,seconds\n")
+    bar = tqdm(total=cfg.total_steps, initial=start, disable=not acc.is_main_process, desc="graft train")
+    t0, last_loss, window = time.perf_counter(), float("nan"), []
+    step = start
+    for st, ds, order, first in plan:
+        for local in range(max(0, step - first), st.steps):
+            t_step = time.perf_counter()
+            loss_sum, tokens = 0.0, 0
+            for m in range(A):
+                k = ((local * A + m) * W + r) * B
+                batch = collate([ds[j] for j in order[k:k + B]], pad, cfg.model.max_prompt_tokens)
+                batch = {n: (v.to(acc.device) if v is not None else None) for n, v in batch.items()}
+                ctx = acc.no_sync(module) if m < A - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = module(batch) / A
+                    acc.backward(loss)
+                loss_sum += loss.item()
+                tokens += int((batch["labels"] != IGNORE).sum())
+            if cfg.optim.max_grad_norm:
+                acc.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            last_loss = float(acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="mean"))
+            window.append(last_loss)
+            lr = sched.get_last_lr()[0]
+            if acc.is_main_process:
+                with open(log_path, "a", newline="") as f:
+                    csv.writer(f).writerow([step, st.name, f"{last_loss:.5f}", f"{lr:.3e}", tokens,
+                                            f"{time.perf_counter() - t_step:.3f}"])
+                bar.update(1)
+                if step % cfg.log_every == 0:
+                    bar.set_postfix(stage=st.name, loss=f"{sum(window) / len(window):.4f}", lr=f"{lr:.2e}")
+                    window = []
+            if step % cfg.save_every == 0 and step < cfg.total_steps:
+                acc.wait_for_everyone()
+                if acc.is_main_process:
+                    save_checkpoint(out / f"checkpoint-{step}", acc.unwrap_model(module).vlm, cfg, step, st.name, opt, sched)
+    bar.close()
+    acc.wait_for_everyone()
+    final = out / "final"
+    if acc.is_main_process:
+        save_checkpoint(final, acc.unwrap_model(module).vlm, cfg, step, cfg.stages[-1].name)
+    done = step - start
+    return {"final": str(final), "steps": step, "last_loss": last_loss,
+            "seconds_per_step": (time.perf_counter() - t0) / max(1, done)}
+
+
+# -- dry run on the meta device -------------------------------------------------------------------
+def dry_run(cfg: TrainConfig) -> dict:
+    """Build the configured graft on the meta device (``accelerate.init_empty_weights``; no weights read, no
+    download) from ``meta_llm_config``/``meta_tower_config`` and report parameter counts, the trainable set and
+    the global batch. Raises ValueError when the config lacks the meta configs."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, Kimi_K25VisionConfig, Kimi_K25VisionModel
+
+    mc = cfg.model
+    if mc.meta_llm_config is None or mc.meta_tower_config is None:
+        raise ValueError("dry run needs model.meta_llm_config and model.meta_tower_config")
+    llm_kw = dict(mc.meta_llm_config)
+    llm_cfg = AutoConfig.for_model(llm_kw.pop("model_type"), **llm_kw)
+    tower_cfg = Kimi_K25VisionConfig(**mc.meta_tower_config)
+    with init_empty_weights():
+        llm = AutoModelForCausalLM.from_config(llm_cfg)
+        tower = Kimi_K25VisionModel(tower_cfg)
+        projector = GraftProjector(GraftProjectorConfig(vision_hidden_size=tower_cfg.hidden_size, merge_size=4,
+                                                        mid_size=mc.projector_mid_size,
+                                                        llm_hidden_size=llm_cfg.hidden_size))
+    vlm = GraftedVLM(tower, projector, llm, ImageTokenIds(-1, -2, -3))  # ids unused: no forward on meta
+    vlm.freeze_backbones()
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    trainable = sum(p.numel() for p in trainable_parameters(vlm))
+    return {"llm_class": type(llm).__name__, "llm_params": count(llm), "tower_params": count(tower),
+            "projector_params": count(projector), "trainable_params": trainable,
+            "devices": {p.device.type for p in vlm.parameters()},
+            "global_batch_per_process": cfg.optim.batch_size * cfg.optim.grad_accum, "total_steps": cfg.total_steps}
+
+
+if __name__ == "__main__":  # accelerate launch -m grafting.train --config ...
+    from .cli import graft_app
+
+    graft_app(["train", *__import__("sys").argv[1:]])
