@@ -1,0 +1,32 @@
+"""The GPU profile: it validates against the same schema, and the real architectures it names have the published
+sizes (built on the meta device: nothing is downloaded or allocated)."""
+
+from __future__ import annotations
+
+from accelerate import init_empty_weights
+from transformers import Kimi_K25VisionModel
+
+from grafting.projector import GraftProjector, GraftProjectorConfig
+from grafting.tower import build_tower_config
+from services.profiles import load_profile
+
+
+def test_gpu_profile_validates_without_cpu_builds():
+    p = load_profile("gpu")
+    assert set(p.model_ids()) == {"chimera-vlm", "chimera-video", "chimera-tts"}
+    assert p.vlm.engine.build is None and p.video.engine.build is None and p.tts.engine.build is None
+    assert p.vlm.engine.tower_key_prefix == "vision_tower."
+    assert p.video.engine.jobs.gpus_per_job == 1
+    assert p.vlm.deployment.num_gpus == 2 and p.vlm.engine.device == "auto"
+
+
+def test_real_moonvit_and_projector_sizes_on_meta():
+    with init_empty_weights():
+        tower = Kimi_K25VisionModel(build_tower_config())  # K2.5 MoonViT: 27 layers, hidden 1152, 16 heads
+        proj = GraftProjector(GraftProjectorConfig(vision_hidden_size=1152, merge_size=4, llm_hidden_size=6144))
+    n_tower = sum(p.numel() for p in tower.parameters())
+    n_proj = sum(p.numel() for p in proj.parameters())
+    assert all(p.is_meta for p in tower.parameters())
+    assert abs(n_tower - 417e6) / 417e6 < 0.005      # "about 417M params"
+    assert abs(n_proj - 49.5e6) / 49.5e6 < 0.005     # GLM-5.2 graft projector 4608 -> 4608 -> 6144
+    assert tower.config.merge_kernel_size == [2, 2] and tower.config.patch_size == 14
