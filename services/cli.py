@@ -15,17 +15,15 @@ import time
 
 import typer
 
+from grafting.cli import graft_app
+
 from .profiles import ProfileError, load_profile
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Chimera: multimodal inference service.")
 BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build"}
 
-try:  # the grafting training commands live with the model code
-    from grafting.cli import graft_app
-
-    app.add_typer(graft_app, name="graft", help="Train, evaluate and prepare vision-LLM grafts.")
-except ImportError:  # pragma: no cover - only while grafting/cli.py does not exist
-    pass
+# The grafting commands (synth, pretrain-tower, train, eval) live with the model code.
+app.add_typer(graft_app, name="graft", help="Train, evaluate and prepare vision-LLM grafts.")
 
 
 def _load(profile: str):
