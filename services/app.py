@@ -166,6 +166,22 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
     return app
 
 
+async def json_object(request) -> dict:
+    """Read a request body that must be a JSON object; malformed JSON or another type -> APIError 400."""
+    import json
+
+    from .errors import APIError
+
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
 def check_model(profile: Profile, family: str, model: Any, param: str = "model") -> str:
     """Resolve a request's ``model`` for ``family``: None -> the family's model; an unknown id -> 404; another
     family's model -> 400. Returns the model id."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from . import metrics
-from .app import check_model
+from .app import check_model, json_object
 from .backends import Backend
 from .errors import APIError, error_body, to_api_error
 from .profiles import FamilySection, Profile
@@ -123,13 +123,7 @@ class ChatRequest(BaseModel):
 
 async def parse_json_body(request: Request, model: type[BaseModel]) -> BaseModel:
     """Read a JSON object body into ``model``; malformed JSON or fields -> APIError 400."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    data = await json_object(request)
     try:
         return model.model_validate(data)
     except ValidationError as err:

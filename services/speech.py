@@ -29,7 +29,7 @@ from audio.text import SentenceBuffer, split_sentences
 from audio.validate import SpeechInputError, check_format, check_speed, check_text, check_voice
 
 from . import metrics
-from .app import check_model
+from .app import check_model, json_object
 from .backends import Backend
 from .errors import APIError, error_body, to_api_error
 from .profiles import FamilySection, Profile
@@ -126,17 +126,6 @@ class _Timing:
         metrics.TTS_AUDIO_SECONDS.labels(self.model_id).inc(self.samples / SAMPLE_RATE)
 
 
-async def _json_object(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
-
-
 def make_router(section: FamilySection, backend: Backend, profile: Profile) -> APIRouter:
     """Routes of the speech family: ``POST /v1/audio/speech`` and ``WS /v1/audio/speech/stream``."""
     router = APIRouter(tags=["speech"])
@@ -145,7 +134,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
     @router.post("/v1/audio/speech")
     async def create_speech(request: Request):
         """OpenAI speech: ``input``, ``voice``, ``response_format``, ``speed``, ``stream_format`` (+ ``seed``)."""
-        body = await _json_object(request)
+        body = await json_object(request)
         try:
             model_id = check_model(profile, "tts", body.get("model"))
             text = check_text(cfg, body.get("input"))
