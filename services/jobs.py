@@ -83,8 +83,18 @@ class JobStore:
             sa.Column("remixed_from", sa.String(64), nullable=True),
         )
         self.meta.create_all(self.engine)
+        self._add_missing_columns()
         self.results_dir = Path(results_dir)
         self.results_dir.mkdir(parents=True, exist_ok=True)
+
+    def _add_missing_columns(self) -> None:
+        """Forward-migrate a store written by an older version: add its missing (nullable) columns."""
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.table.name)}
+        for col in self.table.columns:
+            if col.name not in have and col.nullable:
+                with self.engine.begin() as c:
+                    c.execute(sa.text(f"ALTER TABLE {self.table.name} ADD COLUMN {col.name} "
+                                      f"{col.type.compile(self.engine.dialect)}"))
 
     def job_dir(self, job_id: str) -> Path:
         """Folder of a job's files (not created)."""

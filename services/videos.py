@@ -206,7 +206,10 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to its status (500 only for our bugs)
-                raise to_api_error(exc) from None
+                err = to_api_error(exc)
+                if err.status == 429:
+                    err.headers.setdefault("Retry-After", "5")
+                raise err from None
 
     backend = _Backend()
 
@@ -286,8 +289,9 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
 
     @router.get("/v1/videos/{video_id}")
     async def get_video(video_id: str):
-        """One video job."""
-        return _observe(await backend.call("get", video_id), seen)
+        """One video job (``openai-poll-after-ms`` tells the SDK's ``poll`` how often to ask)."""
+        obj = _observe(await backend.call("get", video_id), seen)
+        return JSONResponse(obj, headers={"openai-poll-after-ms": "500"})
 
     @router.get("/v1/videos/{video_id}/content")
     async def video_content(video_id: str, variant: str = "video"):

@@ -114,3 +114,15 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
         ray.get(mgr2.content.remote(running))
     assert e.value.cause.status_code == 409
     ray.kill(mgr2)
+
+
+def test_queue_full_is_429(ray_cluster, profile, model_dir, tmp_path):
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, max_queued=1)
+    job = _submit(ray, mgr, cfg, **LONG)
+    with pytest.raises(Exception) as e:
+        _submit(ray, mgr, cfg)
+    assert e.value.cause.status_code == 429 and e.value.cause.code == "queue_full"
+    assert [v["id"] for v in ray.get(mgr.list.remote())["data"]] == [job]  # nothing left behind
+    ray.get(mgr.delete.remote(job))
+    ray.kill(mgr)

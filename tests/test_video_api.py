@@ -1,0 +1,252 @@
+"""``/v1/videos`` end to end: the real Ray Serve app of the cpu profile, the official ``openai`` SDK as client.
+
+Sizes are tiny (64x64, 9 frames per clip at 2 fps = 4 s per clip, 2 denoising steps) so the whole file runs in
+well under a minute once the service is up.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from video.media import decode_video
+
+FAST = {"num_inference_steps": 2}
+
+
+def _wait(client, video_id, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = client.videos.retrieve(video_id)
+        if v.status not in ("queued", "in_progress"):
+            return v
+        time.sleep(0.3)
+    raise AssertionError(f"{video_id} still {v.status} after {timeout} s")
+
+
+def _frames(client, video_id):
+    frames, fps = decode_video(client.videos.download_content(video_id).content)
+    return frames, fps
+
+
+def _extend(client, video_id, **kw):
+    """``client.videos.extend(video={"id": ...})``. openai 3.57's ``extend`` refuses a dict for ``video`` on the
+    client side (its multipart extraction expects a file), so then the same SDK client posts the JSON body."""
+    try:
+        return client.videos.extend(video={"id": video_id}, **kw)
+    except RuntimeError as err:
+        if "Expected entry at `video`" not in str(err):
+            raise
+        return client.post("/videos/extensions", body={"video": {"id": video_id}, **kw}, cast_to=openai.types.Video)
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _newest(url):
+    return httpx.get(f"{url}/v1/videos", params={"limit": 1}).json()["first_id"]
+
+
+@pytest.fixture(scope="module")
+def t2v(openai_client):
+    v = openai_client.videos.create(prompt="a lighthouse at dusk", seconds="4", size="64x64", extra_body=FAST)
+    assert v.status == "queued" and v.progress == 0 and v.model == "chimera-video" and v.size == "64x64"
+    return v
+
+
+def test_text_to_video(openai_client, t2v):
+    v = _wait(openai_client, t2v.id)
+    assert v.status == "completed" and v.progress == 100, v.error
+    assert v.seconds == "4" and v.completed_at >= v.created_at and v.expires_at > v.completed_at
+    extra = v.model_extra
+    assert extra["clips_total"] == extra["clips_done"] == 1
+    frames, fps = _frames(openai_client, v.id)
+    assert frames.shape == (9, 64, 64, 3) and fps == 2
+    thumb = openai_client.videos.download_content(v.id, variant="thumbnail")
+    from PIL import Image
+
+    assert Image.open(io.BytesIO(thumb.content)).size == (64, 64)
+
+
+def test_image_to_video_from_a_photograph(openai_client, astronaut):
+    v = openai_client.videos.create(prompt="an astronaut waves", seconds="8", size="64x64",
+                                    input_reference=("astronaut.png", _png(astronaut), "image/png"),
+                                    extra_body=FAST)
+    v = _wait(openai_client, v.id)
+    assert v.status == "completed", v.error
+    assert v.model_extra["clips_total"] == 2
+    frames, _ = _frames(openai_client, v.id)
+    assert frames.shape == (17, 64, 64, 3)  # 2 chained clips, no repeated frame at the seam
+
+
+def test_extend_appends_to_the_original(openai_client, t2v):
+    _wait(openai_client, t2v.id)
+    original, _ = _frames(openai_client, t2v.id)
+    e = _extend(openai_client, t2v.id, prompt="the light turns on", seconds="4")
+    assert e.status == "queued" and e.seconds == "8"
+    e = _wait(openai_client, e.id)
+    assert e.status == "completed", e.error
+    frames, _ = _frames(openai_client, e.id)
+    assert frames.shape == (17, 64, 64, 3)
+    head = np.abs(frames[:9].astype(float) - original.astype(float)).mean()
+    other = np.abs(frames[9:].astype(float) - original[:8].astype(float)).mean()
+    assert head < 6 and head < other / 3, (head, other)
+
+
+def test_extend_by_multipart_video_id(serve_url, openai_client, t2v):
+    """What the SDK's multipart encoding of ``video={"id": ...}`` sends: a ``video[id]`` form field."""
+    _wait(openai_client, t2v.id)
+    r = httpx.post(f"{serve_url}/v1/videos/extensions", data={"prompt": "on", "seconds": "4"},
+                   files={"video[id]": (None, t2v.id)})  # a multipart field without filename
+    assert r.status_code == 200, r.text
+    e = _wait(openai_client, r.json()["id"])
+    assert e.status == "completed" and _frames(openai_client, e.id)[0].shape == (17, 64, 64, 3)
+
+
+def test_idempotency_key_returns_the_same_job(openai_client, serve_url):
+    h = {"Idempotency-Key": f"test-{time.time()}"}
+    a = openai_client.videos.create(prompt="same", size="64x64", extra_headers=h, extra_body=FAST)
+    b = openai_client.videos.create(prompt="same", size="64x64", extra_headers=h, extra_body=FAST)
+    assert a.id == b.id
+    assert _newest(serve_url) == a.id
+    assert openai_client.videos.delete(a.id).deleted is True
+
+
+def test_vllm_omni_fields_in_json(serve_url, openai_client):
+    r = httpx.post(f"{serve_url}/v1/videos", json={"prompt": "waves", "width": 32, "height": 64, "num_frames": 5,
+                                                    "fps": 4, "num_inference_steps": 2, "seed": 5,
+                                                    "drift_correction": False})
+    assert r.status_code == 200, r.text
+    v = _wait(openai_client, r.json()["id"])
+    assert v.status == "completed" and v.size == "32x64"
+    frames, fps = _frames(openai_client, v.id)
+    assert frames.shape == (5, 64, 32, 3) and fps == 4
+
+
+def test_download_of_an_unfinished_job_is_409(openai_client, serve_url):
+    v = openai_client.videos.create(prompt="slow", seconds="32", size="128x128",
+                                    extra_body={"num_inference_steps": 50})
+    with pytest.raises(openai.ConflictError):
+        openai_client.videos.download_content(v.id)
+    openai_client.videos.delete(v.id)
+    with pytest.raises(openai.NotFoundError):  # deleting twice
+        openai_client.videos.delete(v.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.videos.retrieve(v.id)
+
+
+def test_unknown_id_is_404(openai_client):
+    with pytest.raises(openai.NotFoundError):
+        openai_client.videos.retrieve("video_doesnotexist")
+    with pytest.raises(openai.NotFoundError):
+        openai_client.videos.download_content("video_doesnotexist")
+    with pytest.raises(openai.NotFoundError):
+        _extend(openai_client, "video_doesnotexist", prompt="x", seconds="4")
+
+
+@pytest.mark.parametrize("kwargs,status,param", [
+    ({"size": "big"}, 400, "size"),
+    ({"size": "100x64"}, 400, "size"),
+    ({"seconds": "0"}, 400, "seconds"),
+    ({"seconds": "100"}, 400, "seconds"),
+    ({"prompt": "p" * 2001}, 400, "prompt"),
+    ({"input_reference": ("x.png", b"this is not an image", "image/png")}, 415, "input_reference"),
+    ({"extra_body": {"num_frames": 8}}, 400, "num_frames"),
+    ({"extra_body": {"size": "64x64", "width": 32}}, 400, "size"),
+    ({"model": "no-such-model"}, 404, "model"),
+])
+def test_bad_input_leaves_no_job(openai_client, serve_url, kwargs, status, param):
+    before = _newest(serve_url)
+    args = {"prompt": "a cat", "size": "64x64", **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        openai_client.videos.create(**args)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert err["param"] == param and err["message"], err
+    assert _newest(serve_url) == before
+
+
+def _b64_png(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(img)).decode()
+
+
+@pytest.mark.parametrize("method,path,kw,status", [
+    ("post", "/v1/videos", {"json": {"size": "64x64"}}, 400),                                  # no prompt
+    ("post", "/v1/videos", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+    ("post", "/v1/videos", {"json": ["a list"]}, 400),
+    ("post", "/v1/videos", {"content": b"x", "headers": {"content-type": "text/plain"}}, 415),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"file_id": "file_1"}}}, 400),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "http://a/b.png"}}}, 400),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "data:image/png;base64,@@"}}},
+     400),
+    ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"other": ("a.bin", b"123")}}, 400),
+    ("post", "/v1/videos", {"json": {"prompt": "x"}, "headers": {"Idempotency-Key": "k" * 300}}, 400),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "sparsity": 0}}, 400),
+    ("post", "/v1/videos", {"data": {"prompt": "x"},
+                            "files": {"input_reference": ("big.png", b"\0" * (8 * 2**20 + 1), "image/png")}}, 413),
+    ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("bomb.png", "BOMB", "image/png")}},
+     413),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400),
+    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4"}}, 400),        # no video
+    ("post", "/v1/videos/extensions", {"json": {"seconds": "4", "video": {"id": "v"}}}, 400),  # no prompt
+    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4", "video": [1]}}, 400),
+    ("post", "/v1/videos/extensions", {"data": {"prompt": "x", "seconds": "4"},
+                                       "files": {"video": ("v.mp4", b"not a video", "video/mp4")}}, 415),
+    ("get", "/v1/videos?limit=0", {}, 400),
+    ("get", "/v1/videos?order=sideways", {}, 400),
+    ("get", "/v1/videos?after=video_nope", {}, 404),
+])
+def test_bad_requests_over_http(serve_url, method, path, kw, status):
+    before = _newest(serve_url)
+    files = kw.get("files", {})
+    if files.get("input_reference", (None, None))[1] == "BOMB":  # 5000x4000 pixels in a small PNG
+        from PIL import Image
+
+        files["input_reference"] = ("bomb.png", _png(Image.new("RGB", (5000, 4000))), "image/png")
+    r = getattr(httpx, method)(f"{serve_url}{path}", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert _newest(serve_url) == before
+
+
+def test_bad_variant_and_extension_of_unfinished(serve_url, openai_client, t2v):
+    r = httpx.get(f"{serve_url}/v1/videos/{t2v.id}/content", params={"variant": "spritesheet"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "variant"
+    v = openai_client.videos.create(prompt="slow", seconds="32", size="128x128", extra_body={"num_inference_steps": 50})
+    before = _newest(serve_url)
+    with pytest.raises(openai.ConflictError):
+        _extend(openai_client, v.id, prompt="x", seconds="4")
+    assert _newest(serve_url) == before
+    openai_client.videos.delete(v.id)
+
+
+def test_image_url_data_and_uploaded_video_extension(serve_url, openai_client, astronaut, t2v):
+    r = httpx.post(f"{serve_url}/v1/videos", json={"prompt": "astronaut", "size": "64x64", "num_inference_steps": 2,
+                                                    "input_reference": {"image_url": _b64_png(astronaut)}})
+    assert r.status_code == 200, r.text
+    assert _wait(openai_client, r.json()["id"]).status == "completed"
+    _wait(openai_client, t2v.id)
+    mp4 = openai_client.videos.download_content(t2v.id).content
+    e = openai_client.videos.extend(video=("clip.mp4", mp4, "video/mp4"), prompt="more", seconds="4")
+    e = _wait(openai_client, e.id)
+    assert e.status == "completed", e.error
+    frames, _ = _frames(openai_client, e.id)
+    assert frames.shape == (17, 64, 64, 3)
+
+
+def test_list_newest_first_and_metrics(serve_url, openai_client, t2v):
+    page = openai_client.videos.list(limit=3)
+    ids = [v.id for v in page.data]
+    created = [v.created_at for v in page.data]
+    assert created == sorted(created, reverse=True) and len(ids) <= 3
+    text = httpx.get(f"{serve_url}/metrics").text
+    assert "chimera_video_queue_length" in text and "chimera_video_jobs_created_total" in text
