@@ -55,6 +55,30 @@ def test_sdk_streaming_response_bytes_before_end(openai_client):
     assert stamps[0] < 0.5 * stamps[-1]  # the first bytes came long before generation ended
 
 
+def _wait_idle(handle, limit: float = 10.0) -> float:
+    """Seconds until the tts deployment runs no synthesis (polled every 50 ms; ``limit`` when it never does)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        if handle.active.remote().result() == 0:
+            return time.perf_counter() - t0
+        time.sleep(0.05)
+    return limit
+
+
+def test_http_stream_closed_early_stops_generation(serve_url, ray_cluster):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("tts", app_name="chimera")
+    body = {"model": "chimera-tts", "voice": "tara", "response_format": "wav",
+            "input": " ".join(f"Sentence number {i} is here." for i in range(8))}
+    with httpx.stream("POST", f"{serve_url}/v1/audio/speech", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+        assert handle.active.remote().result() == 1, "expected exactly this synthesis running"
+    waited = _wait_idle(handle)  # the client closed the connection mid-utterance
+    assert waited < 1.5, f"generation still running {waited:.2f} s after the client went away"
+
+
 def test_sse_stream(serve_url):
     body = {"model": "chimera-tts", "input": "Hi there. <chuckle> Bye <b>now</b>!", "voice": "mia",
             "response_format": "wav", "stream_format": "sse"}
@@ -186,13 +210,10 @@ def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster
         _send(ws, type="input_text.append", text=" ".join(f"Sentence number {i} is here." for i in range(8)))
         _send(ws, type="input_text.commit")
         assert json.loads(ws.recv(timeout=60))["type"] == "response.audio.delta"
-        assert handle.active.remote().result() == 1
+        assert handle.active.remote().result() == 1, "expected exactly this synthesis running"
         ws.close()  # mid-utterance
-    t0 = time.perf_counter()
-    while handle.active.remote().result() != 0 and time.perf_counter() - t0 < 5:
-        time.sleep(0.05)
-    assert handle.active.remote().result() == 0
-    assert time.perf_counter() - t0 < 1.5  # generation stopped within about a second
+    waited = _wait_idle(handle)
+    assert waited < 1.5, f"generation still running {waited:.2f} s after the socket closed"
     deadline = time.time() + 5
     while _gauge(serve_url) != 0 and time.time() < deadline:
         time.sleep(0.1)
