@@ -119,7 +119,12 @@ class _Timing:
             metrics.TTS_TIME_TO_FIRST_AUDIO.labels(self.model_id, self.endpoint).observe(self.first)
         self.samples += n_bytes // 2
 
-    def done(self) -> None:
+    def done(self, usage: dict | None = None) -> None:
+        """End of the synthesis: record the real-time factor; log stripped tags and loop-guard cuts (plain audio
+        responses have no usage field to report them in)."""
+        if usage and (usage.get("stripped_tags") or usage.get("loops")):
+            log.info("speech %s: stripped tags %s, loop guard %s", self.endpoint, usage.get("stripped_tags"),
+                     usage.get("loops"))
         if self.samples:
             rtf = (time.perf_counter() - self.t0) / (self.samples / SAMPLE_RATE)
             metrics.TTS_REAL_TIME_FACTOR.labels(self.model_id, self.endpoint).observe(rtf)
@@ -172,9 +177,10 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
                 if ev["type"] == "audio":
                     timing.audio(len(ev["pcm"]))
                     pcm += ev["pcm"]
+                elif ev["type"] == "done":
+                    timing.done(ev["usage"])
         except Exception as exc:  # noqa: BLE001
             raise to_api_error(exc) from None
-        timing.done()
         data = await asyncio.to_thread(encode, bytes(pcm), fmt, SAMPLE_RATE)
         return Response(data, media_type=MEDIA_TYPES[fmt])
 
@@ -201,7 +207,8 @@ async def _chunks(events, fmt: str, timing: _Timing):
             if ev["type"] == "audio" and ev["pcm"]:
                 timing.audio(len(ev["pcm"]))
                 yield ev["pcm"]
-        timing.done()
+            elif ev["type"] == "done":
+                timing.done(ev["usage"])
     except Exception as exc:  # noqa: BLE001
         log.error("speech stream failed: %s", to_api_error(exc).message)
 
@@ -225,7 +232,7 @@ async def _sse(events, fmt: str, timing: _Timing):
                 if fmt not in STREAMABLE:
                     data = await asyncio.to_thread(encode, bytes(pcm), fmt, SAMPLE_RATE)
                     yield json.dumps({"type": "speech.audio.delta", "audio": b64(data)})
-                timing.done()
+                timing.done(ev["usage"])
                 yield json.dumps({"type": "speech.audio.done", "usage": ev["usage"]})
     except asyncio.CancelledError:
         raise
@@ -406,7 +413,7 @@ class _Session:
                     await self.send({"type": "response.audio.delta", "response_id": rid,
                                      "delta": base64.b64encode(ev["pcm"]).decode()})
                 elif ev["type"] == "done":
-                    timing.done()
+                    timing.done(ev["usage"])
                     uu = ev["usage"]
                     u["audio_seconds"] += uu.get("audio_seconds", 0.0)
                     u["sentences"] += uu.get("sentences", 0)
