@@ -28,7 +28,7 @@ def _read(data: bytes, fmt: str):
 @pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus"])
 def test_sdk_speech_formats(openai_client, fmt):
     resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
-                                             response_format=fmt)
+                                             response_format=fmt, extra_body={"seed": 1})
     data, sr = _read(resp.content, fmt)
     assert sr == 24000 and data.ndim == 1
     frames = 4  # cpu profile: min_frames for a short sentence, 2048 samples each
@@ -119,6 +119,13 @@ def test_bad_body_and_model(serve_url):
     r = httpx.post(f"{serve_url}/v1/audio/speech", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{serve_url}/v1/audio/speech", json=["Hello."], timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    for extra, param, code in [({"input": 123}, "input", "invalid_type"), ({"speed": "fast"}, "speed", "invalid_speed"),
+                               ({"seed": "x"}, "seed", "invalid_value"), ({"voice": 7}, "voice", "unknown_voice")]:
+        r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara"} | extra, timeout=30)
+        assert r.status_code == 400, extra
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
     r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara", "model": "nope"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
@@ -233,6 +240,9 @@ def test_ws_bad_input_keeps_socket_open(serve_url):
                  (json.dumps({"type": "bogus.event"}), "unknown_event"), (b"\x00\x01binary", "binary_not_supported"),
                  (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "unknown_voice"),
                  (json.dumps({"type": "session.update", "session": {"speed": 9}}), "invalid_speed"),
+                 (json.dumps({"type": "session.update", "session": 5}), "invalid_value"),
+                 (json.dumps({"type": "session.update", "session": {"seed": "x"}}), "invalid_value"),
+                 (json.dumps({"type": "session.update", "session": {"model": "nope"}}), "model_not_found"),
                  (json.dumps({"type": "input_text.append", "text": 5}), "invalid_type"),
                  (json.dumps({"type": "input_text.append", "text": "x" * 4097}), "input_too_long"),
                  (json.dumps({"type": "input_text.commit"}), "empty_input")]
@@ -240,6 +250,8 @@ def test_ws_bad_input_keeps_socket_open(serve_url):
             ws.send(msg)
             m = json.loads(ws.recv(timeout=30))
             assert m["type"] == "error" and m["error"]["code"] == code, (msg, m)
+        _send(ws, type="session.update", session={"seed": 2})
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
         _send(ws, type="input_text.append", text="Still <laugh> here.")
         _send(ws, type="input_text.clear")
         _send(ws, type="input_text.append", text="Still here.")
