@@ -74,7 +74,8 @@ class VideoEngine:
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=vae_dtype)
         self.t2v = WanPipeline.from_pretrained(path, vae=vae, dtype=dtype)
         self.t2v.scheduler = UniPCMultistepScheduler.from_config(self.t2v.scheduler.config, flow_shift=cfg.flow_shift)
-        self.t2v.to(self.device)
+        if self.device.type != "cpu":
+            self.t2v.to(self.device)
         self.t2v.set_progress_bar_config(disable=True)
         self.i2v = None
         if cfg.variant == "ti2v":
