@@ -40,7 +40,9 @@ class AudioPositionLogitsProcessor(LogitsProcessor):
     """Mask every id except the audio ids of frame position ``n_generated % 7`` (``n_generated`` = tokens after
     the prompt) and, at a frame boundary, end_of_speech (unless ``allow_end`` is False).
 
-    ``scores``: float ``(batch, vocab)``; returns the masked scores (same shape, -inf elsewhere)."""
+    ``scores``: float ``(batch, vocab)``; returns the masked scores (same shape, -inf elsewhere). A drop-in for
+    ``model.generate(logits_processor=...)``; :func:`stream_tokens` samples the same distribution faster
+    through :func:`candidate_probs`."""
 
     def __init__(self, layout: TokenLayout, prompt_len: int, allow_end: bool = True):
         self.layout, self.prompt_len, self.allow_end = layout, prompt_len, allow_end

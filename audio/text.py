@@ -69,7 +69,7 @@ class SentenceBuffer:
         while True:
             m = _BOUNDARY.search(self.pending)
             # a boundary needs its whitespace; it must not lie past an over-long cut
-            if m and m.end() <= self.max_chars + 1 and m.end() < len(self.pending) + 1:
+            if m and m.end() <= self.max_chars + 1:
                 out.append(self.pending[: m.end()])
                 self.pending = self.pending[m.end():]
                 continue
