@@ -25,7 +25,6 @@ from audio.validate import SpeechInputError
 
 @pytest.fixture(scope="module")
 def engine(profile, model_dir):
-    torch.set_num_threads(1)
     return TTSEngine.from_config(profile.tts.engine, model_dir)
 
 
