@@ -23,6 +23,15 @@ from audio.text import SentenceBuffer, clean_sentence, split_sentences
 from audio.validate import SpeechInputError
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The cpu profile's replica runs with 1 torch thread; so do these tests (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def engine(profile, model_dir):
     return TTSEngine.from_config(profile.tts.engine, model_dir)

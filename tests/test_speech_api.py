@@ -280,15 +280,21 @@ def test_loop_guard_reported_in_usage(profile, model_dir):
     from tests.test_audio_engine import LoopingLM
     from audio.engine import TTSEngine
 
-    dep = Deployment(profile.tts.model_dump(mode="json"), str(model_dir))
+    import torch
+
+    before = torch.get_num_threads()
+    dep = Deployment(profile.tts.model_dump(mode="json"), str(model_dir))  # sets 1 torch thread, as in Ray
     e = dep.engine
     cfg = e.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
     dep.engine = TTSEngine(cfg, LoopingLM(e.layout, e.tokenizer, e.lm.config.vocab_size), e.tokenizer, e.snac)
     app = build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)})
     t0 = time.perf_counter()
-    with TestClient(app) as client:
-        r = client.post("/v1/audio/speech", json={"input": "One is fine. Now loop forever. Three is fine.",
-                                                  "voice": "tara", "response_format": "pcm", "stream_format": "sse"})
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/audio/speech", json={"input": "One is fine. Now loop forever. Three is fine.",
+                                                      "voice": "tara", "response_format": "pcm", "stream_format": "sse"})
+    finally:
+        torch.set_num_threads(before)
     assert r.status_code == 200 and time.perf_counter() - t0 < 60
     events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
     usage = events[-1]["usage"]

@@ -248,5 +248,10 @@ def test_list_newest_first_and_metrics(serve_url, openai_client, t2v):
     ids = [v.id for v in page.data]
     created = [v.created_at for v in page.data]
     assert created == sorted(created, reverse=True) and len(ids) <= 3
+    if len(ids) == 3:  # cursor pagination: the page after the first item starts at the second
+        nxt = openai_client.videos.list(limit=2, after=ids[0])
+        assert [v.id for v in nxt.data] == ids[1:3]
+        asc = openai_client.videos.list(limit=100, order="asc").data
+        assert [v.created_at for v in asc] == sorted(v.created_at for v in asc)
     text = httpx.get(f"{serve_url}/metrics").text
     assert "chimera_video_queue_length" in text and "chimera_video_jobs_created_total" in text

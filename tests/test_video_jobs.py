@@ -102,9 +102,22 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     ray.kill(mgr)  # the service dies mid-job
     assert _gone(rec["worker_pid"]), "the job's worker outlived its manager"
 
+    # a job still queued when the service died (never started): written straight into the store
+    from services.jobs import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.sqlite", tmp_path / "results")
+    row = store.get(done)
+    queued = "video_queued_at_crash"
+    (tmp_path / "results" / queued).mkdir()
+    store.insert({**{k: row[k] for k in ("model", "prompt", "seconds", "size", "params", "clips_total")},
+                  "id": queued, "created_at": row["created_at"] + 0.5, "status": "queued", "phase": "queued",
+                  "progress": 0, "clips_done": 0})
+    store.engine.dispose()
+
     mgr2, _ = _manager(ray, profile, model_dir, tmp_path)  # a new service on the same store and results
     page = ray.get(mgr2.list.remote())
-    assert [v["id"] for v in page["data"]] == [running, done]
+    assert [v["id"] for v in page["data"]] == [running, queued, done]
+    assert _wait(ray, mgr2, queued, lambda r: r["status"] not in ("queued", "in_progress"))["status"] == "completed"
     v = ray.get(mgr2.get.remote(running))
     assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
     assert ray.get(mgr2.get.remote(done))["status"] == "completed"

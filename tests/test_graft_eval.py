@@ -1,0 +1,78 @@
+"""Evaluation: likelihood scoring equals the full-sequence log-probability, baselines, sharding, text-only KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.graft_fixtures import train_config, write_tiny_graft
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_dir):
+    from grafting.mcq import synth_items
+    from grafting.train import load_graft
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tiny_eval")
+    dirs = write_tiny_graft(root, model_dir)
+    vlm, processor = load_graft(train_config(dirs, root / "run").model)
+    return vlm, processor, synth_items(dirs["synth"] / "test.jsonl")
+
+
+def test_choice_scores_equal_full_sequence_logprobs(tiny):
+    from grafting.evaluate import choice_logprobs
+
+    vlm, proc, items = tiny
+    it = next(i for i in items if i.question_type == "position")  # multi-token choices ("Top left.")
+    msgs = [{"role": "user", "content": [{"type": "image", "image": Image.open(it.images[0]).convert("RGB")},
+                                         {"type": "text", "text": it.question}]}]
+    got = choice_logprobs(vlm, proc, msgs, it.choices)
+    n = proc(msgs).num_tokens
+    for k, c in enumerate(it.choices):
+        full = proc(msgs + [{"role": "assistant", "content": c}], add_generation_prompt=False)
+        with torch.no_grad():
+            lp = vlm(full.input_ids, pixel_values=full.pixel_values, image_grid_thw=full.image_grid_thw).logits[0]
+        lp = lp.float().log_softmax(-1)
+        toks = full.input_ids[0, n:].tolist()[:-1]  # reply tokens + <|im_end|>, without the trailing newline
+        assert proc.tokenizer.decode(toks).endswith("<|im_end|>")
+        ref = sum(lp[n - 1 + j, t] for j, t in enumerate(toks))
+        assert float(got[k]) == pytest.approx(float(ref), abs=1e-4)
+
+
+def test_blind_shuffled_and_sharded_predictions(tiny):
+    from grafting.evaluate import choice_logprobs, derangement, predict, summarize
+
+    vlm, proc, items = tiny
+    items = items[:8]
+    blind = predict(vlm, proc, items, "blind")
+    for i, it in enumerate(items):  # blind = the LLM alone on the question
+        lp = choice_logprobs(vlm, proc, [{"role": "user", "content": it.question}], it.choices)
+        assert blind[i] == int(lp.argmax())
+    order = derangement(items, seed=0)
+    assert sorted(order) == list(range(8)) and all(items[o].images != items[i].images for i, o in enumerate(order))
+    shuffled = predict(vlm, proc, items, "shuffled")
+    halves = {**predict(vlm, proc, items, "shuffled", shard=(0, 2)), **predict(vlm, proc, items, "shuffled", shard=(1, 2))}
+    assert halves == shuffled
+    s = summarize(items, shuffled, "shuffled")
+    assert s["n"] == 8 and sum(s["by_type_n"].values()) == 8
+    assert s["accuracy"] == pytest.approx(sum(shuffled[i] == it.answer_index for i, it in enumerate(items)) / 8)
+    with pytest.raises(ValueError, match="condition"):
+        predict(vlm, proc, items, "nope")
+    with pytest.raises(ValueError, match="at least 2"):
+        predict(vlm, proc, items[:1], "shuffled")
+
+
+def test_text_only_kl_is_exactly_zero_for_the_cpu_graft(profile, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grafting.engine import VLMEngine
+    from grafting.evaluate import TEXT_PROMPTS, text_kl
+
+    torch.set_num_threads(1)
+    eng = VLMEngine.from_config(profile.vlm.engine, model_dir)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir / profile.vlm.engine.llm), dtype=torch.float32).eval()
+    vals = text_kl(eng.model, base, eng.processor)
+    assert len(vals) == len(TEXT_PROMPTS) >= 20
+    assert all(v == 0.0 for v in vals)
