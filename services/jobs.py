@@ -141,8 +141,9 @@ class JobStore:
             ref = self.get(after)
             if ref is None:
                 raise JobError(404, f"no video {after!r} (after)", "video_not_found", "after")
-            q = q.where((t.c.created_at, t.c.id) < (ref["created_at"], ref["id"]) if desc
-                        else (t.c.created_at, t.c.id) > (ref["created_at"], ref["id"]))
+            c, i = ref["created_at"], ref["id"]
+            q = q.where(sa.or_(t.c.created_at < c, sa.and_(t.c.created_at == c, t.c.id < i)) if desc
+                        else sa.or_(t.c.created_at > c, sa.and_(t.c.created_at == c, t.c.id > i)))
         q = q.order_by(*( (t.c.created_at.desc(), t.c.id.desc()) if desc else (t.c.created_at, t.c.id))).limit(limit)
         with self.engine.connect() as c:
             return [dict(r) for r in c.execute(q).mappings()]
