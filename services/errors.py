@@ -63,8 +63,10 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     name = type(exc).__name__
-    if name == "BackPressureError":
-        return APIError(429, "the model's queue is full; retry later", code="queue_full", headers={"Retry-After": "2"})
+    if name == "BackPressureError":  # Ray Serve's max_queued_requests reached
+        retry = getattr(exc, "retry_after_s", None) or 2
+        return APIError(429, "the model's queue is full; retry later", code="queue_full",
+                        headers={"Retry-After": str(max(1, round(retry)))})
     if name in ("DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError"):
         return APIError(503, "the model is not available right now", code="model_unavailable",
                         headers={"Retry-After": "5"})

@@ -124,3 +124,18 @@ def test_edge_strips_override_headers_and_shapes_ray_errors():
                     assert r.headers["retry-after"]
 
     asyncio.run(go())
+
+
+def test_ray_back_pressure_and_unavailable_become_429_and_503():
+    from ray.serve.exceptions import BackPressureError
+
+    from services.errors import to_api_error
+
+    err = to_api_error(BackPressureError(num_queued_requests=32, max_queued_requests=32))
+    assert err.status == 429 and err.code == "queue_full" and int(err.headers["Retry-After"]) >= 1
+    assert err.body()["error"]["type"] == "rate_limit_error"
+    err = to_api_error(BackPressureError(num_queued_requests=3, max_queued_requests=3, retry_after_s=7.2))
+    assert err.headers["Retry-After"] == "7"
+    assert to_api_error(ValueError("bad")).status == 400
+    bug = to_api_error(KeyError("oops"))
+    assert bug.status == 500 and bug.body()["error"]["type"] == "server_error"
