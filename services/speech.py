@@ -155,7 +155,10 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         stream = backend.stream("speak", split_sentences(text, cfg.max_sentence_chars), voice, speed, seed, 0)
         try:
             first = await stream.__anext__()
-        except BaseException as exc:  # noqa: BLE001 - input errors surface before any byte is sent
+        except asyncio.CancelledError:  # the client went away
+            await stream.aclose()
+            raise
+        except Exception as exc:  # noqa: BLE001 - input errors surface before any byte is sent
             await stream.aclose()
             raise to_api_error(exc) from None
 
