@@ -139,3 +139,31 @@ def test_queue_full_is_429(ray_cluster, profile, model_dir, tmp_path):
     assert [v["id"] for v in ray.get(mgr.list.remote())["data"]] == [job]  # nothing left behind
     ray.get(mgr.delete.remote(job))
     ray.kill(mgr)
+
+
+def test_non_finite_output_fails_the_job(ray_cluster, profile, model_dir, tmp_path):
+    """A checkpoint whose transformer outputs NaN (as an fp16 overflow would): the job fails with a clear error
+    code instead of producing a black video, and no MP4 is written."""
+    import shutil
+
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    ray = ray_cluster
+    broken = tmp_path / "broken_wan"
+    shutil.copytree(model_dir / profile.video.engine.model, broken)
+    tr = WanTransformer3DModel.from_pretrained(broken, subfolder="transformer")
+    with torch.no_grad():
+        tr.proj_out.bias.fill_(float("nan"))
+    tr.save_pretrained(broken / "transformer")
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    cfg.model = str(broken)
+    actor = ray.remote(JobManager).options(name=f"test-jobs-{uuid.uuid4().hex[:8]}", namespace="tests", num_cpus=0)
+    ray.kill(mgr)
+    mgr = actor.remote(cfg.model_dump(mode="json"), str(model_dir), "chimera-video")
+    job = _submit(ray, mgr, cfg, num_inference_steps=2)
+    rec = _wait(ray, mgr, job, lambda r: r["status"] not in ("queued", "in_progress"))
+    assert rec["status"] == "failed" and rec["error_code"] == "non_finite_output"
+    assert "non-finite" in rec["error_message"]
+    assert not (tmp_path / "results" / job / "video.mp4").exists()
+    ray.kill(mgr)
