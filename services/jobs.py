@@ -248,8 +248,7 @@ class JobManager:
     public model id. All methods return plain dicts (Video objects) or raise :class:`JobError`.
     """
 
-    def __init__(self, engine_cfg: dict, model_dir: str, model_id: str, self_handle_name: str | None = None,
-                 namespace: str | None = None):
+    def __init__(self, engine_cfg: dict, model_dir: str, model_id: str):
         from video.config import VideoConfig
 
         self.cfg = VideoConfig.model_validate(engine_cfg)
@@ -264,7 +263,6 @@ class JobManager:
         self.store = JobStore(url, res if res.is_absolute() else Path(model_dir) / res)
         self.refs: dict[str, Any] = {}
         self.watchers: dict[str, asyncio.Task] = {}
-        self._handle_name, self._namespace = self_handle_name, namespace
         self._recovered = False
 
     # -- lifecycle

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -141,7 +140,7 @@ def _seconds_label(s: float) -> str:
     return f"{s:g}"
 
 
-async def _read_body(request: Request, file_fields: tuple[str, ...], max_bytes: int) -> tuple[dict, dict]:
+async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
     """JSON or multipart/urlencoded body -> (fields, files). Files are read up to ``max_bytes`` (413 beyond)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
@@ -226,7 +225,7 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     @router.post("/v1/videos")
     async def create_video(request: Request):
         """Create a generation job (text-to-video, or image-to-video with ``input_reference``)."""
-        fields, files = await _read_body(request, ("input_reference",), limits.max_image_bytes)
+        fields, files = await _read_body(request, limits.max_image_bytes)
         if "prompt" not in fields:
             raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
         check_model(profile, "video", fields.get("model"))
@@ -252,7 +251,7 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     @router.post("/v1/videos/extensions")
     async def extend_video(request: Request):
         """Continue a completed video (``video: {"id": ...}``) or an uploaded video file from its last frame."""
-        fields, files = await _read_body(request, ("video",), limits.max_video_bytes)
+        fields, files = await _read_body(request, limits.max_video_bytes)
         for name in ("prompt", "seconds"):
             if name not in fields:
                 raise APIError(400, f"{name} is required", param=name, code="missing_required_parameter")
