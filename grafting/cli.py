@@ -34,7 +34,9 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        steps: int = typer.Option(1800), batch_size: int = typer.Option(32),
                        lr: float = typer.Option(1e-3), seed: int = typer.Option(0),
                        hidden_size: int = typer.Option(192), layers: int = typer.Option(3),
-                       heads: int = typer.Option(4), intermediate_size: int = typer.Option(512)):
+                       heads: int = typer.Option(4), intermediate_size: int = typer.Option(512),
+                       split: str = typer.Option("pretrain", help="synthetic split: pretrain (broad) or train"),
+                       init: str = typer.Option(None, help="continue from this tower folder")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
@@ -44,7 +46,7 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
     torch.manual_seed(seed)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
                                                num_attention_heads=heads, intermediate_size=intermediate_size),
-                              steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+                              steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init)
     m = pretrain_tower(cfg, out, log=typer.echo)
     typer.echo(json.dumps({"test_probe_accuracy": m["test_probe_accuracy"], "seconds": round(m["seconds"], 1)}))
 

@@ -12,7 +12,7 @@ MMStar/MMMU-Pro files (:mod:`grafting.mcq`).
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -127,15 +127,22 @@ def evaluate_mc(vlm: GraftedVLM, processor: GraftProcessor, items: list[MCItem],
 
 
 def derangement(items: list[MCItem], seed: int = 0) -> list[int]:
-    """A seeded permutation where no item keeps an image with the same path as its own."""
+    """A seeded permutation that gives every item another image: items are grouped by image (groups in random
+    order), then each takes the image ``m`` places further round the cycle, ``m`` being the largest group.
+
+    Raises ValueError when one image is shared by more than half of the items (no such permutation exists)."""
     rng = random.Random(seed)
     n = len(items)
-    for _ in range(100):
-        order = list(range(n))
-        rng.shuffle(order)
-        if all(items[order[i]].images != items[i].images for i in range(n)):
-            return order
-    return [(i + 1) % n for i in range(n)]
+    keys = [tuple(str(p) for p in it.images) for it in items]
+    group_rank = {k: rng.random() for k in sorted(set(keys))}
+    idx = sorted(range(n), key=lambda i: (group_rank[keys[i]], rng.random()))
+    m = max(Counter(keys).values())
+    if 2 * m > n:
+        raise ValueError("the shuffled baseline needs every image to be used by at most half of the items")
+    order = [0] * n
+    for k in range(n):
+        order[idx[k]] = idx[(k + m) % n]
+    return order
 
 
 def _open(p, cache: dict):

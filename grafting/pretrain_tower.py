@@ -29,7 +29,9 @@ HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS), 
 
 class PretrainTowerConfig(BaseModel):
     """Tower sizes (:class:`~grafting.config.TowerBuild`), optimisation (steps, batch of images, AdamW peak lr
-    with 5% warmup then cosine), image canvas in pixels and the processor's longest side in pixels."""
+    with 5% warmup then cosine), image canvas in pixels, the processor's longest side in pixels, the synthetic
+    split drawn from (``pretrain``: broad; ``train``: the graft's training ranges) and an optional tower folder
+    to continue from (``init``; its sizes win over ``tower``)."""
 
     model_config = ConfigDict(extra="forbid")
     tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
@@ -42,6 +44,8 @@ class PretrainTowerConfig(BaseModel):
     max_image_side: int = 224
     eval_images: int = 256
     seed: int = 0
+    split: str = "pretrain"
+    init: str | None = None
 
 
 def _labels(scenes) -> dict[str, torch.Tensor]:
@@ -97,8 +101,14 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
     from transformers import Kimi_K25ImageProcessor, get_cosine_schedule_with_warmup
 
     t = cfg.tower
-    tower = build_random_tower(build_tower_config(t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
-                                                  t.intermediate_size, t.pos_emb_height, t.pos_emb_width), cfg.seed)
+    if cfg.init:
+        from transformers import Kimi_K25VisionModel
+
+        tower = Kimi_K25VisionModel.from_pretrained(cfg.init, dtype=torch.float32)
+    else:
+        tower = build_random_tower(build_tower_config(t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
+                                                      t.intermediate_size, t.pos_emb_height, t.pos_emb_width),
+                                   cfg.seed)
     torch.manual_seed(cfg.seed)
     model = TowerClassifier(tower).train()
     side = cfg.max_image_side // 14
@@ -108,7 +118,7 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
     rng = random.Random(cfg.seed)
     curve, t0 = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        pv, grid, labels = _batch(processor, rng, cfg.batch_size, "pretrain", cfg.canvas)
+        pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas)
         out = model(pv, grid)
         loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in HEADS)
         opt.zero_grad(set_to_none=True)

@@ -308,13 +308,13 @@ def train(cfg: TrainConfig, log=print) -> dict:
                 tokens += int((batch["labels"] != IGNORE).sum())
             if cfg.optim.max_grad_norm:
                 acc.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            lr = opt.param_groups[0]["lr"]  # the rate this step used
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
             last_loss = float(acc.reduce(torch.tensor(loss_sum, device=acc.device), reduction="mean"))
             window.append(last_loss)
-            lr = sched.get_last_lr()[0]
             if acc.is_main_process:
                 with open(log_path, "a", newline="") as f:
                     csv.writer(f).writerow([step, st.name, f"{last_loss:.5f}", f"{lr:.3e}", tokens,

@@ -45,23 +45,25 @@ def test_blind_shuffled_and_sharded_predictions(tiny):
     from grafting.evaluate import choice_logprobs, derangement, predict, summarize
 
     vlm, proc, items = tiny
-    items = items[:8]
+    items = items[:12]  # 4-5 questions per image
     blind = predict(vlm, proc, items, "blind")
     for i, it in enumerate(items):  # blind = the LLM alone on the question
         lp = choice_logprobs(vlm, proc, [{"role": "user", "content": it.question}], it.choices)
         assert blind[i] == int(lp.argmax())
     order = derangement(items, seed=0)
-    assert sorted(order) == list(range(8)) and all(items[o].images != items[i].images for i, o in enumerate(order))
+    assert sorted(order) == list(range(12)) and all(items[o].images != items[i].images for i, o in enumerate(order))
     shuffled = predict(vlm, proc, items, "shuffled")
     halves = {**predict(vlm, proc, items, "shuffled", shard=(0, 2)), **predict(vlm, proc, items, "shuffled", shard=(1, 2))}
     assert halves == shuffled
     s = summarize(items, shuffled, "shuffled")
-    assert s["n"] == 8 and sum(s["by_type_n"].values()) == 8
-    assert s["accuracy"] == pytest.approx(sum(shuffled[i] == it.answer_index for i, it in enumerate(items)) / 8)
+    assert s["n"] == 12 and sum(s["by_type_n"].values()) == 12
+    assert s["accuracy"] == pytest.approx(sum(shuffled[i] == it.answer_index for i, it in enumerate(items)) / 12)
     with pytest.raises(ValueError, match="condition"):
         predict(vlm, proc, items, "nope")
     with pytest.raises(ValueError, match="at least 2"):
         predict(vlm, proc, items[:1], "shuffled")
+    with pytest.raises(ValueError, match="at most half"):
+        derangement(items[:3])  # three questions about one image
 
 
 def test_text_only_kl_is_exactly_zero_for_the_cpu_graft(profile, model_dir):
