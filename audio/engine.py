@@ -23,7 +23,7 @@ from .config import TTSConfig
 from .formats import SpeedResampler
 from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
-from .snac_stream import FRAME_SAMPLES, SAMPLE_RATE, StreamingDecoder, load_snac
+from .snac_stream import SAMPLE_RATE, StreamingDecoder, load_snac
 from .text import clean_sentence, split_sentences
 from .validate import check_speed, check_text, check_voice
 
@@ -153,7 +153,3 @@ class TTSEngine:
         usage["generation_seconds"] = round(time.perf_counter() - t0, 4)
         yield SpeechDone(usage)
 
-
-def frames_seconds(n_frames: int) -> float:
-    """Duration of ``n_frames`` SNAC frames in seconds (2048 samples at 24 kHz each)."""
-    return n_frames * FRAME_SAMPLES / SAMPLE_RATE

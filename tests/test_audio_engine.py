@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from audio.config import LoopGuardConfig, TokenLayoutConfig, TTSConfig
+from audio.config import LoopGuardConfig, TokenLayoutConfig
 from audio.engine import SpeechAudio, SpeechDone, TTSEngine
 from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
 from audio.generate import candidate_probs, find_loop, generate_frames, make_processors
