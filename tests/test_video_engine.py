@@ -192,3 +192,29 @@ def test_non_finite_output_fails_clearly(engine, cfg):
     finally:
         hook.remove()
     assert engine.generate(req).frames.isfinite().all()
+
+
+def test_real_wan22_ti2v_5b_shapes_on_meta():
+    """The GPU profile's Wan2.2-TI2V-5B: its published transformer/VAE configs, built on the meta device (nothing
+    downloaded), have about 5B transformer params and a 16x VAE stride x 2x2 patch: sizes multiples of 32, as the
+    ``ti2v`` variant validates."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    with init_empty_weights():
+        tr = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128,
+                                   in_channels=48, out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=14336,
+                                   num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                   rope_max_seq_len=1024)
+        vae = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+                               num_res_blocks=2, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                               scale_factor_spatial=16, scale_factor_temporal=4,
+                               latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+    n = sum(p.numel() for p in tr.parameters())
+    assert 4.8e9 < n < 5.2e9, n
+    from services.profiles import load_profile
+
+    cfg = load_profile("gpu").video.engine
+    assert cfg.variant == "ti2v" and cfg.size_multiple == vae.config.scale_factor_spatial * tr.config.patch_size[1]
+    d = cfg.defaults
+    assert d.width % cfg.size_multiple == 0 and d.height % cfg.size_multiple == 0 and (d.frames_per_clip - 1) % 4 == 0
