@@ -101,21 +101,25 @@ class JobStore:
         return self.results_dir / job_id
 
     def insert(self, row: dict) -> dict:
+        """Insert a job record; returns it as stored. Raises sqlalchemy IntegrityError on a duplicate id/key."""
         with self.engine.begin() as c:
             c.execute(self.table.insert().values(**row))
         return self.get(row["id"])
 
     def get(self, job_id: str) -> dict | None:
+        """The record of ``job_id``, or None."""
         with self.engine.connect() as c:
             r = c.execute(self.table.select().where(self.table.c.id == job_id)).mappings().first()
         return dict(r) if r else None
 
     def by_key(self, key: str) -> dict | None:
+        """The job created with this ``Idempotency-Key``, or None."""
         with self.engine.connect() as c:
             r = c.execute(self.table.select().where(self.table.c.idempotency_key == key)).mappings().first()
         return dict(r) if r else None
 
     def update(self, job_id: str, **fields: Any) -> None:
+        """Set columns of one job unconditionally."""
         with self.engine.begin() as c:
             c.execute(self.table.update().where(self.table.c.id == job_id).values(**fields))
 
@@ -128,6 +132,7 @@ class JobStore:
         return n > 0
 
     def delete(self, job_id: str) -> None:
+        """Remove the record and the job's results folder."""
         with self.engine.begin() as c:
             c.execute(self.table.delete().where(self.table.c.id == job_id))
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
@@ -149,11 +154,13 @@ class JobStore:
             return [dict(r) for r in c.execute(q).mappings()]
 
     def count_active(self) -> int:
+        """Jobs queued or running."""
         with self.engine.connect() as c:
             return c.execute(sa.select(sa.func.count()).select_from(self.table)
                              .where(self.table.c.status.in_(ACTIVE))).scalar_one()
 
     def with_status(self, *statuses: str) -> list[dict]:
+        """Records in any of ``statuses``, oldest first."""
         with self.engine.connect() as c:
             q = self.table.select().where(self.table.c.status.in_(statuses)).order_by(self.table.c.created_at)
             return [dict(r) for r in c.execute(q).mappings()]
@@ -291,6 +298,7 @@ class JobManager:
         return {"interrupted": len(interrupted), "requeued": len(queued), "expired": len(expired)}
 
     async def ping(self) -> bool:
+        """Liveness (and the first-contact restart recovery)."""
         await self.recover()
         return True
 
@@ -375,10 +383,12 @@ class JobManager:
 
     # -- reports from job tasks
     async def started(self, job_id: str, device: str, pid: int) -> None:
+        """From the job task: it runs on ``device`` (its ``CUDA_VISIBLE_DEVICES``, or ``cpu``) in process ``pid``."""
         self.store.update_if_active(job_id, status="in_progress", phase="denoising", started_at=time.time(),
                                     device=str(device), worker_pid=int(pid))
 
     async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
+        """From the job task: phase and integer percent (capped at 99 until the result is stored)."""
         self.store.update_if_active(job_id, status="in_progress", phase=phase, progress=min(99, int(percent)),
                                     clips_done=int(clips_done))
 
@@ -390,6 +400,7 @@ class JobManager:
         return row
 
     async def get(self, job_id: str) -> dict:
+        """The Video object. Raises JobError(404)."""
         await self.recover()
         return video_object(self._row(job_id))
 
@@ -398,6 +409,7 @@ class JobManager:
         return self._row(job_id)
 
     async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        """A page of Video objects: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
         await self.recover()
         rows = self.store.list(limit + 1, after, order)
         data = [video_object(r) for r in rows[:limit]]
