@@ -228,9 +228,13 @@ def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster
     import ray
 
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    route_logged = False
     for f in session_dir.rglob("*"):
         if f.is_file() and f.stat().st_size < 50_000_000 and f.suffix in (".log", ".out", ".err", ".txt", ""):
-            assert secret not in f.read_text(errors="ignore"), f  # the api_key query parameter is never logged
+            text = f.read_text(errors="ignore")
+            assert secret not in text, f  # the api_key query parameter is never logged
+            route_logged |= "/v1/audio/speech/stream" in text
+    assert route_logged  # the access logs were among the files searched
 
 
 def test_ws_bad_input_keeps_socket_open(serve_url):
