@@ -189,7 +189,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
 
     @router.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket):
-        """Incremental text in, pcm16 audio deltas out (see the module docstring and docs/api)."""
+        """Incremental text in, pcm16 24 kHz audio deltas out (events: see ``_Session`` and the README)."""
         await websocket.accept()
         metrics.TTS_WS_SESSIONS.labels(section.model_id).inc()
         try:
