@@ -21,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import psutil
+# The replica runs with OMP_NUM_THREADS=<torch_threads> in its environment (1 in the cpu profile); give the
+# in-process engine the same, before torch/numpy start their thread pools, or the comparison is unfair.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -86,7 +90,10 @@ def main() -> None:
             raise SystemExit("service did not become ready")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
         vlm = prof.vlm
-        torch.set_num_threads(vlm.deployment.torch_threads or torch.get_num_threads())
+        threads = vlm.deployment.torch_threads or torch.get_num_threads()
+        if str(threads) != os.environ["OMP_NUM_THREADS"]:
+            raise SystemExit(f"run with OMP_NUM_THREADS={threads} (the profile's torch_threads)")
+        torch.set_num_threads(threads)
         engine = VLMEngine.from_config(vlm.engine, prof.resolved_model_dir())
 
         def in_process() -> tuple[float, int]:
