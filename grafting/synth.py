@@ -6,8 +6,9 @@ Splits:
 - ``train``: every colour/shape pair except :data:`HELD_OUT_PAIRS`, drawn with the train ranges.
 - ``test``: all pairs (the held-out pairs never appear in training), drawn differently: other shape sizes
   (inside the small/large gap), other position jitter, other background colours and another noise kind.
-- ``pretrain``: what the cpu tower is pretrained on (:mod:`grafting.pretrain_tower`): broad sizes, tints and
-  noise, no held-out pair.
+- ``pretrain``: what the cpu tower is pretrained on (:mod:`grafting.pretrain_tower`), standing in for the
+  broad data a real encoder saw: the whole size range, random tints, both noise kinds and all colour/shape
+  pairs (the graft's own captions and QA never show a held-out pair).
 Rows follow LLaVA's format (arXiv:2304.08485): ``{"id", "image", "conversations": [{"from": "human"|"gpt",
 "value"}]}`` with ``<image>`` marking the image; test rows add ``question_type``, ``choices``, ``answer_index``.
 Images are drawn with PIL in-process (no downloads), seeded.
@@ -39,7 +40,7 @@ DRAW = {
     "test": {"small": (29, 32), "large": (38, 43), "jitter": (9, 12),
              "plain": [(214, 214, 214), (244, 249, 255)], "noise": "uniform"},
     # tower pretraining (standing in for a generic pretrained encoder): the whole size range, random light
-    # tints and both noise kinds; still never a held-out colour/shape pair
+    # tints, both noise kinds, every colour/shape pair
     "pretrain": {"small": (16, 34), "large": (36, 60), "jitter": (0, 12), "plain": "random", "noise": "any"},
 }
 
@@ -111,7 +112,7 @@ def sample_scene(rng: random.Random, split: str = "train", canvas: int = 112) ->
     d = DRAW[split]
     while True:
         colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
-        if split != "test" and (colour, shape) in HELD_OUT_PAIRS:
+        if split == "train" and (colour, shape) in HELD_OUT_PAIRS:
             continue
         count = rng.choices(COUNTS, weights=(2, 1, 1))[0]
         size = rng.choice(SIZES)

@@ -1,0 +1,49 @@
+"""Collecting the caption-vs-QA experiment into one small JSON and a Markdown table (README, notebook)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+TYPES = ("colour", "shape", "count", "size", "position")
+
+
+def collect(runs: dict[str, dict], out: str | Path | None = None) -> dict:
+    """``runs``: ``{name: {"label": str, "eval": eval.json path, "log": log.csv path}}`` -> one dict with each
+    run's evaluation (accuracies only) and loss curve (step, stage, loss, seconds); written to ``out`` if given."""
+    res = {}
+    for name, r in runs.items():
+        ev = json.loads(Path(r["eval"]).read_text())
+        rows = list(csv.DictReader(open(r["log"])))
+        res[name] = {"label": r["label"], "eval": ev,
+                     "curve": {"step": [int(x["step"]) for x in rows], "stage": [x["stage"] for x in rows],
+                               "loss": [float(x["loss"]) for x in rows]},
+                     "seconds_per_step": sum(float(x["seconds"]) for x in rows) / max(1, len(rows)),
+                     "labelled_tokens": sum(int(x["tokens"]) for x in rows)}
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def markdown_table(results: dict) -> str:
+    """Held-out accuracy per question type for each run and condition, plus chance, as Markdown."""
+    head = "| run | condition | " + " | ".join(TYPES) + " | all | unseen pairs |"
+    lines = [head, "|" + "---|" * (len(TYPES) + 4)]
+    chance = None
+    for name, r in results.items():
+        ev = r["eval"]
+        chance = chance or ev.get("chance")
+        for cond in ("image", "shuffled", "blind"):
+            if cond not in ev:
+                continue
+            c = ev[cond]
+            lines.append(f"| {r['label']} | {cond} | " + " | ".join(_pct(c["by_type"].get(t)) for t in TYPES)
+                         + f" | {_pct(c['accuracy'])} | {_pct(c.get('held_out'))} |")
+    if chance:
+        lines.append("| chance | - | " + " | ".join(_pct(chance.get(t)) for t in TYPES) + " | | |")
+    return "\n".join(lines)
