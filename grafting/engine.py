@@ -102,8 +102,11 @@ class VLMEngine:
 
     def sampling_params(self, max_tokens: int | None = None, temperature: float | None = None,
                         top_p: float | None = None, seed: int | None = None,
-                        stop: str | list[str] | None = None) -> SamplingParams:
+                        stop: str | list[str] | None = None, logprobs: bool | None = None,
+                        top_logprobs: int | None = None) -> SamplingParams:
         """OpenAI request fields -> :class:`SamplingParams`, with range checks (PromptError, 400)."""
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or abs(seed) >= 2**63):
+            raise PromptError("seed must be an integer with |seed| < 2**63", "seed", "invalid_value")
         if max_tokens is None:
             max_tokens = self.config.default_max_new_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > self.config.max_new_tokens:
@@ -118,7 +121,11 @@ class VLMEngine:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 4 or not all(isinstance(s, str) for s in stops):
             raise PromptError("stop must be a string or a list of at most 4 strings", "stop", "invalid_value")
-        return SamplingParams(max_tokens, temperature, top_p, seed, stops)
+        if top_logprobs is not None and (not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20):
+            raise PromptError("top_logprobs must be an integer from 0 to 20", "top_logprobs", "invalid_value")
+        if top_logprobs and not logprobs:
+            raise PromptError("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
+        return SamplingParams(max_tokens, temperature, top_p, seed, stops, bool(logprobs), top_logprobs or 0)
 
     def generate(self, prompt: Prompt, params: SamplingParams,
                  cancel: threading.Event | None = None) -> Iterator[Delta]:

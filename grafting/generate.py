@@ -22,26 +22,33 @@ from .processor import Prompt
 @dataclass
 class SamplingParams:
     """Sampling settings (OpenAI semantics). ``temperature`` 0 means greedy; ``top_p`` in (0, 1];
-    ``seed`` makes sampling reproducible; ``stop``: up to 4 strings that end the answer (not included)."""
+    ``seed`` makes sampling reproducible; ``stop``: up to 4 strings that end the answer (not included);
+    ``logprobs``/``top_logprobs`` (0-20): report each sampled token's log-probability under the model (the raw
+    logits' log-softmax, before temperature and top-p, as OpenAI does) and the most likely alternatives."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
 class Delta:
     """One step of a generation stream: ``text`` is new visible text (may be empty), ``token_id`` the sampled
     token (None on the final event), ``finish_reason`` set on the last event (``stop`` | ``length`` |
-    ``cancelled``), ``completion_tokens`` so far, ``t`` a ``time.perf_counter()`` stamp in seconds."""
+    ``cancelled``), ``completion_tokens`` so far, ``t`` a ``time.perf_counter()`` stamp in seconds; with
+    ``SamplingParams.logprobs``: ``logprob`` of ``token_id`` and ``top_logprobs`` ``[(token_id, logprob)]``."""
 
     text: str
     token_id: int | None
     finish_reason: str | None = None
     completion_tokens: int = 0
     t: float = 0.0
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -61,6 +68,17 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
         probs /= probs.sum()
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, top_k: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of ``token_id`` under ``logits`` ``(V,)`` and the ``top_k`` most likely ``(id, logprob)``,
+    computed in fp32 from the raw logits."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if top_k > 0:
+        vals, ids = torch.topk(lp, top_k)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return float(lp[token_id]), top
 
 
 class TextStreamer:
@@ -142,11 +160,12 @@ def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: Sampli
         if tok in eos_token_ids:
             yield Delta(streamer.flush(), None, "stop", n, time.perf_counter())
             return
+        lp, top = token_logprobs(logits, tok, params.top_logprobs) if params.logprobs else (None, None)
         delta = streamer.push(tok)
         if streamer.stopped:
-            yield Delta(delta, tok, "stop", n, time.perf_counter())
+            yield Delta(delta, tok, "stop", n, time.perf_counter(), lp, top)
             return
-        yield Delta(delta, tok, None, n, time.perf_counter())
+        yield Delta(delta, tok, None, n, time.perf_counter(), lp, top)
         out = llm(input_ids=torch.tensor([[tok]], device=model.device), cache=cache, use_cache=True)
         cache = out.cache
         logits = out.logits[0, -1]

@@ -51,13 +51,24 @@ class Deployment:
         """True once the engine is loaded (the constructor has returned)."""
         return True
 
+    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
+        """OpenAI ``ChatCompletionTokenLogprob``: token text, its UTF-8 bytes, logprob, top alternatives."""
+        def one(tid: int, lp: float) -> dict:
+            text = self.engine.tokenizer.decode([tid])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        entry = one(token_id, logprob)
+        entry["top_logprobs"] = [one(t, v) for t, v in (top or [])]
+        return entry
+
     async def chat_stream(self, request: dict[str, Any]):
         """Prepare and generate an answer to ``request`` (messages + sampling fields), streaming events."""
         engine = self.engine
         try:
             prompt = await asyncio.to_thread(engine.prepare, request["messages"])
             params = engine.sampling_params(request.get("max_tokens"), request.get("temperature"),
-                                            request.get("top_p"), request.get("seed"), request.get("stop"))
+                                            request.get("top_p"), request.get("seed"), request.get("stop"),
+                                            request.get("logprobs"), request.get("top_logprobs"))
         except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
             yield input_error_event(exc)
             return
@@ -82,7 +93,10 @@ class Deployment:
                     if isinstance(d, BaseException):
                         raise d
                     if d.text or d.finish_reason is None:
-                        yield {"type": "delta", "text": d.text}
+                        ev = {"type": "delta", "text": d.text}
+                        if d.logprob is not None:
+                            ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
+                        yield ev
                     if d.finish_reason is not None:
                         yield {"type": "end", "finish_reason": d.finish_reason,
                                "completion_tokens": d.completion_tokens}
@@ -119,6 +133,8 @@ class ChatRequest(BaseModel):
     stream: bool = False
     n: int | None = None
     stream_options: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 async def parse_json_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -150,7 +166,8 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages", code="empty_messages")
         payload = {"messages": req.messages, "max_tokens": max_tokens, "temperature": req.temperature,
-                   "top_p": req.top_p, "seed": req.seed, "stop": req.stop}
+                   "top_p": req.top_p, "seed": req.seed, "stop": req.stop, "logprobs": req.logprobs,
+                   "top_logprobs": req.top_logprobs}
         stream = backend.stream("chat_stream", payload)
         try:
             start = await stream.__anext__()
@@ -172,13 +189,14 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
             metrics.TOKENS.labels(model_id).inc()
 
         if not req.stream:
-            parts, end = [], None
+            parts, end, token_logprobs = [], None, []
             metrics.ACTIVE_CHAT.labels(model_id).inc()
             try:
                 async for ev in stream:
                     if ev["type"] == "delta":
                         observe_token(time.perf_counter())
                         parts.append(ev["text"])
+                        token_logprobs += ev.get("logprobs", [])
                     elif ev["type"] == "end":
                         end = ev
             except Exception as exc:  # noqa: BLE001
@@ -192,15 +210,18 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
                 "id": cid, "object": "chat.completion", "created": created, "model": model_id,
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts), "refusal": None},
-                             "logprobs": None, "finish_reason": end["finish_reason"]}],
+                             "logprobs": {"content": token_logprobs, "refusal": None} if req.logprobs else None,
+                             "finish_reason": end["finish_reason"]}],
                 "usage": usage})
 
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
-        def chunk(delta: dict, finish_reason: str | None = None, usage: dict | None = None, choices: bool = True):
+        def chunk(delta: dict, finish_reason: str | None = None, usage: dict | None = None, choices: bool = True,
+                  logprobs: list | None = None):
+            lp = {"content": logprobs, "refusal": None} if logprobs else None
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_id,
                     "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
                     if choices else []}
             if usage is not None:
                 body["usage"] = usage
@@ -213,8 +234,8 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
                 async for ev in stream:
                     if ev["type"] == "delta":
                         observe_token(time.perf_counter())
-                        if ev["text"]:
-                            yield chunk({"content": ev["text"]})
+                        if ev["text"] or ev.get("logprobs"):
+                            yield chunk({"content": ev["text"]}, logprobs=ev.get("logprobs"))
                     elif ev["type"] == "end":
                         yield chunk({}, ev["finish_reason"])
                         if include_usage:

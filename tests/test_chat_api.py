@@ -154,3 +154,34 @@ def test_metrics_exposed(serve_url):
                  "chimera_time_to_first_token_seconds_bucket", "chimera_inter_token_latency_seconds_bucket"):
         assert name in text
     assert 'endpoint="/v1/chat/completions"' in text
+
+
+def test_logprobs_through_http_equal_base_llm(openai_client, model_dir):
+    """With no image, the model's next-token distribution seen through HTTP (logprobs) is the base LLM's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    msgs = [{"role": "user", "content": "Name a large animal."}]
+    llm_dir = model_dir / "vlm" / "llm"
+    tok = AutoTokenizer.from_pretrained(llm_dir)
+    model = AutoModelForCausalLM.from_pretrained(llm_dir).eval()
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    r = openai_client.chat.completions.create(model="chimera-vlm", messages=msgs, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    new_ids = out.sequences[0, ids.shape[1]:].tolist()
+    assert [c.token for c in content] == [tok.decode([t]) for t in new_ids if t != tok.eos_token_id]
+    for step, c in enumerate(content):
+        ref = torch.log_softmax(out.logits[step][0].float(), -1)
+        top = torch.topk(ref, 5)
+        assert abs(c.logprob - ref[new_ids[step]].item()) <= 1e-5
+        assert [t.token for t in c.top_logprobs] == [tok.decode([i]) for i in top.indices.tolist()]
+        assert max(abs(t.logprob - v) for t, v in zip(c.top_logprobs, top.values.tolist())) <= 1e-5
+    streamed = [c for ch in openai_client.chat.completions.create(
+        model="chimera-vlm", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+        if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    with pytest.raises(openai.BadRequestError):
+        openai_client.chat.completions.create(model="chimera-vlm", messages=msgs, max_tokens=2, logprobs=True,
+                                              top_logprobs=21)
