@@ -217,11 +217,21 @@ _compiled_flex = None
 
 
 def _flex(compiled: bool):
-    """`flex_attention`, compiled once per process on first use when `compiled`."""
+    """`flex_attention`, compiled once per process on first use when `compiled`.
+
+    Each new latent size is one more compiled variant. Past dynamo's recompile limit (8 by default) a call would
+    silently fall back to eager flex, which materializes the full score matrix (tens of GB at 32k tokens), so the
+    limit is raised to at least 64 for this process.
+    """
     global _compiled_flex
     if not compiled:
         return flex_attention
     if _compiled_flex is None:
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 256)
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
