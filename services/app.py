@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.routing import Match
 
 from . import metrics
 from .backends import Backend
@@ -69,18 +68,13 @@ class AuthMiddleware:
 
 
 class MetricsMiddleware:
-    """Counts requests and records latency per route template (``/v1/videos/{video_id}``), status included."""
+    """Counts requests and records latency per route template (``/v1/videos/{video_id}``), status included.
 
-    def __init__(self, app, fastapi_app: FastAPI):
+    The label is the matched route's template, read from ``scope["route"]`` after routing; requests matching
+    no route are labelled ``unmatched`` so arbitrary paths cannot create new series."""
+
+    def __init__(self, app):
         self.app = app
-        self.fastapi_app = fastapi_app
-
-    def _endpoint(self, scope) -> str:
-        for route in self.fastapi_app.router.routes:
-            match, _ = route.matches(scope)
-            if match == Match.FULL:
-                return getattr(route, "path", scope["path"])
-        return "unmatched"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -95,7 +89,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            ep = self._endpoint(scope)
+            ep = getattr(scope.get("route"), "path", None) or "unmatched"
             metrics.REQUESTS.labels(ep, scope["method"], str(status["code"])).inc()
             metrics.REQUEST_LATENCY.labels(ep, scope["method"]).observe(time.perf_counter() - t0)
 
@@ -160,7 +154,7 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
     for fam, section in families.items():
         app.include_router(family_module(fam).make_router(section, backends[fam], profile))
 
-    app.add_middleware(MetricsMiddleware, fastapi_app=app)
+    app.add_middleware(MetricsMiddleware)
     app.add_middleware(AuthMiddleware, keys=profile.server.api_keys)
     app.add_middleware(EdgeMiddleware)
     return app

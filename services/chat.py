@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from . import metrics
@@ -119,22 +119,24 @@ def raise_if_error_event(event: dict) -> None:
 
 
 class ChatRequest(BaseModel):
-    """The OpenAI chat request fields we honour (others are accepted and ignored, as OpenAI does)."""
+    """The OpenAI chat request fields we honour (others are accepted and ignored, as OpenAI does).
+
+    Types are strict: ``"stream": "yes"`` or ``"max_tokens": true`` are 400s, not coerced."""
 
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    model: StrictStr | None = None
     messages: list[Any]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    n: StrictInt | None = None
     stream_options: dict | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
 
 async def parse_json_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -144,7 +146,7 @@ async def parse_json_body(request: Request, model: type[BaseModel]) -> BaseModel
         return model.model_validate(data)
     except ValidationError as err:
         e = err.errors()[0]
-        param = ".".join(str(x) for x in e["loc"])
+        param = str(e["loc"][0]) if e["loc"] else None  # the request field (not pydantic's union-member tags)
         raise APIError(400, f"{param}: {e['msg']}", param=param, code="invalid_value") from None
 
 

@@ -117,6 +117,10 @@ def test_malformed_json_and_validation_are_400(serve_url):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(f"{serve_url}/v1/chat/completions", json={"messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for field, value in (("stream", "yes"), ("max_tokens", True), ("temperature", "hot"), ("n", 1.5)):
+        r = httpx.post(f"{serve_url}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, field
     r = httpx.get(f"{serve_url}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
 

@@ -139,3 +139,23 @@ def test_ray_back_pressure_and_unavailable_become_429_and_503():
     assert to_api_error(ValueError("bad")).status == 400
     bug = to_api_error(KeyError("oops"))
     assert bug.status == 500 and bug.body()["error"]["type"] == "server_error"
+
+
+def test_metrics_label_by_route_template_not_raw_path(profile):
+    from services import metrics
+
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(EchoDeployment())})
+
+    async def go():
+        async with _client(app) as c:
+            for name in ("abc", "def", "ghi"):
+                assert (await c.get(f"/v1/models/{name}")).status_code == 404
+            assert (await c.get("/v1/random/junk/path")).status_code == 404
+
+    asyncio.run(go())
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'endpoint="/v1/models/{model_id}",method="GET",status="404"' in text
+    assert "abc" not in text and "junk" not in text
+    assert 'endpoint="unmatched",method="GET",status="404"' in text
