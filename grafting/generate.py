@@ -51,6 +51,15 @@ class Delta:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class NonFiniteOutputError(RuntimeError):
+    """The model produced NaN/Inf logits (fp16 overflow, a broken kernel or checkpoint). HTTP 500, code
+    ``non_finite_output``: a model failure, never silently sampled from."""
+
+    status_code = 500
+    code = "non_finite_output"
+    param = None
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                 suppress_ids: tuple[int, ...] = ()) -> int:
     """Pick the next token from ``logits`` ``(V,)`` (any float dtype): greedy at temperature 0, else
@@ -133,6 +142,7 @@ def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: Sampli
     With images in the prompt the image placeholder ids are suppressed so the model cannot emit them. The
     stream ends with a Delta whose ``finish_reason`` is ``stop`` (EOS or stop string), ``length``
     (``max_new_tokens``) or ``cancelled`` (``cancel`` set; checked before every decode step).
+    Raises NonFiniteOutputError when the logits of a step are not all finite.
     """
     generator = None
     if params.seed is not None:
@@ -155,6 +165,8 @@ def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: Sampli
         if n >= params.max_new_tokens:
             yield Delta(streamer.flush(), None, "length", n, time.perf_counter())
             return
+        if not torch.isfinite(logits).all():
+            raise NonFiniteOutputError(f"the model produced non-finite logits at completion token {n + 1}")
         tok = sample_next(logits, params, generator, suppress)
         n += 1
         if tok in eos_token_ids:

@@ -72,6 +72,8 @@ def to_api_error(exc: BaseException) -> APIError:
                         headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
     if isinstance(status, int) and 400 <= status < 600:
+        if status >= 500:
+            log.error("model failure: %s", exc)
         return APIError(status, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))

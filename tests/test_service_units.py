@@ -159,3 +159,34 @@ def test_metrics_label_by_route_template_not_raw_path(profile):
     assert 'endpoint="/v1/models/{model_id}",method="GET",status="404"' in text
     assert "abc" not in text and "junk" not in text
     assert 'endpoint="unmatched",method="GET",status="404"' in text
+
+
+def test_chat_model_failure_mid_stream_is_an_sse_error_event_and_a_500_when_not_streamed(profile, model_dir):
+    """The real VLM deployment in-process, its LLM made to emit NaN logits after the first token on purpose."""
+    import json
+
+    import torch
+
+    from services.chat import Deployment
+
+    dep = Deployment(profile.vlm.model_dump(mode="json"), str(model_dir))
+    lm_head = dep.engine.model.llm.lm_head
+    lm_head.register_forward_hook(lambda m, a, out: torch.full_like(out, float("nan")) if out.shape[1] == 1 else out)
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(dep)})
+    body = {"model": "chimera-vlm", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 8,
+            "temperature": 0}
+
+    async def go():
+        async with _client(app) as c:
+            r = await c.post("/v1/chat/completions", json=dict(body, stream=True))
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            payloads = [json.loads(e) for e in events if e != "[DONE]"]
+            assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert payloads[-1]["error"]["code"] == "non_finite_output"
+            assert payloads[-1]["error"]["type"] == "server_error"
+            assert "[DONE]" not in events
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_output"
+
+    asyncio.run(go())

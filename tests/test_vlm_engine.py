@@ -174,3 +174,23 @@ def test_sampling_param_ranges(engine):
                {"stop": ["a", "b", "c", "d", "e"]}):
         with pytest.raises(PromptError):
             engine.sampling_params(**kw)
+
+
+def test_non_finite_logits_fail_clearly(engine):
+    """A model misbehaving on purpose: NaN logits from the second decode step on."""
+    from grafting.generate import NonFiniteOutputError
+
+    def nan_on_decode(module, args, out):
+        return out.masked_fill(torch.ones_like(out, dtype=torch.bool), float("nan")) if out.shape[1] == 1 else out
+
+    h = engine.model.llm.lm_head.register_forward_hook(nan_on_decode)
+    try:
+        p = engine.prepare(QUESTIONS[0])
+        it = engine.generate(p, engine.sampling_params(max_tokens=8, temperature=0))
+        first = next(it)
+        assert first.token_id is not None
+        with pytest.raises(NonFiniteOutputError, match="non-finite"):
+            next(it)
+    finally:
+        h.remove()
+    assert engine.complete(QUESTIONS[0], max_tokens=4, temperature=0).completion_tokens == 4
