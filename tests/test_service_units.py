@@ -190,3 +190,22 @@ def test_chat_model_failure_mid_stream_is_an_sse_error_event_and_a_500_when_not_
             assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_output"
 
     asyncio.run(go())
+
+
+def test_prepare_is_idempotent(model_dir):
+    """`chimera prepare` on a prepared model dir writes nothing (every family reports up to date)."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from services.cli import app as cli
+
+    before = {p: p.stat().st_mtime_ns for p in model_dir.rglob("*.safetensors")}
+    env = {"CHIMERA_MODEL_DIR": str(model_dir)}
+    result = CliRunner().invoke(cli, ["prepare", "--profile", os.environ.get("CHIMERA_TEST_PROFILE", "cpu")], env=env)
+    assert result.exit_code == 0, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert lines and all("up to date" in l for l in lines), result.output
+    assert {p: p.stat().st_mtime_ns for p in model_dir.rglob("*.safetensors")} == before
+    bad = CliRunner().invoke(cli, ["prepare", "--profile", "no-such-profile"])
+    assert bad.exit_code == 2 and "not found" in bad.output
