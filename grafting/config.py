@@ -67,6 +67,8 @@ class VLMConfig(_Strict):
     ``max_image_side``: longest image side in pixels after resizing (the processor's ``max_height`` /
     ``max_width`` are this // 14 patches); 512 px -> up to 38x38 patches = 361 LLM tokens.
     ``device``: ``cpu``, ``cuda:0``, or ``auto`` (accelerate device map over the visible GPUs).
+    ``max_batch_size``: requests decoded together by the continuous batcher (set the deployment's
+    ``max_ongoing_requests`` at least this high).
     """
 
     tower: str = "vlm/tower"
@@ -81,5 +83,6 @@ class VLMConfig(_Strict):
     max_prompt_tokens: int = Field(4096, gt=0)
     max_new_tokens: int = Field(512, gt=0)
     default_max_new_tokens: int = Field(256, gt=0)
+    max_batch_size: int = Field(8, ge=1)
     limits: ImageLimits = ImageLimits()
     build: CpuBuild | None = None

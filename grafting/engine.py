@@ -62,6 +62,7 @@ class VLMEngine:
         ids = set([eos] if isinstance(eos, int) else (eos or []))
         ids |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.eos_token_ids = ids
+        self._batcher = None
 
     @classmethod
     def from_config(cls, config: VLMConfig, model_dir: str | Path | None = None) -> "VLMEngine":
@@ -134,6 +135,16 @@ class VLMEngine:
             raise PromptError("prompt plus max_tokens exceeds the context limit", "max_tokens",
                               "context_length_exceeded")
         return generate_stream(self.model, self.tokenizer, prompt, params, self.eos_token_ids, cancel)
+
+    def batcher(self):
+        """The engine's :class:`~grafting.batching.ContinuousBatcher` (started on first use, ``max_batch_size``
+        from the config): what a server uses so that concurrent requests share decode steps."""
+        from .batching import ContinuousBatcher
+
+        if self._batcher is None:
+            self._batcher = ContinuousBatcher(self.model, self.tokenizer, self.eos_token_ids,
+                                              self.config.max_batch_size)
+        return self._batcher
 
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop)."""

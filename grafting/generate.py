@@ -134,6 +134,63 @@ class TextStreamer:
         return delta
 
 
+class SequenceState:
+    """Decoding state of one request, shared by single-sequence and batched decode.
+
+    ``step(logits)`` takes the next-token logits ``(V,)`` of this sequence and returns the :class:`Delta` for it
+    (sampled token and new text, or the final event); ``finished`` tells whether the sequence is over and
+    ``last_token`` is the id to feed to the next decode step.
+    Raises NonFiniteOutputError when ``logits`` are not all finite.
+    """
+
+    def __init__(self, model: GraftedVLM, tokenizer, prompt: Prompt, params: SamplingParams,
+                 eos_token_ids: set[int], cancel: threading.Event | None = None):
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cancel = cancel
+        self.generator = torch.Generator(device="cpu").manual_seed(int(params.seed)) if params.seed is not None \
+            else None
+        # With images, the placeholder ids are never sampled (they would be refused in the next turn).
+        self.suppress = model.image_token_ids.all() if prompt.pixel_values is not None else ()
+        self.streamer = TextStreamer(tokenizer, params.stop)
+        self.n = 0
+        self.finished = False
+        self.last_token: int | None = None
+
+    def _final(self, reason: str) -> Delta:
+        self.finished = True
+        return Delta(self.streamer.flush(), None, reason, self.n, time.perf_counter())
+
+    def step(self, logits: torch.Tensor) -> Delta:
+        """Consume one step's logits; see the class docstring."""
+        if self.cancel is not None and self.cancel.is_set():
+            return self._final("cancelled")
+        if self.n >= self.params.max_new_tokens:
+            return self._final("length")
+        if not torch.isfinite(logits).all():
+            raise NonFiniteOutputError(f"the model produced non-finite logits at completion token {self.n + 1}")
+        tok = sample_next(logits, self.params, self.generator, self.suppress)
+        self.n += 1
+        if tok in self.eos_token_ids:
+            return self._final("stop")
+        lp, top = token_logprobs(logits, tok, self.params.top_logprobs) if self.params.logprobs else (None, None)
+        delta = self.streamer.push(tok)
+        self.last_token = tok
+        if self.streamer.stopped:
+            self.finished = True
+            return Delta(delta, tok, "stop", self.n, time.perf_counter(), lp, top)
+        return Delta(delta, tok, None, self.n, time.perf_counter(), lp, top)
+
+
+def prefill(model: GraftedVLM, prompt: Prompt):
+    """Run the LLM over the whole prompt (image features spliced in); returns its output (``logits``
+    ``(1, T, V)`` and the KV ``cache``). Without images the LLM gets ``input_ids`` themselves."""
+    if prompt.pixel_values is None:
+        return model.llm(input_ids=prompt.input_ids.to(model.device), use_cache=True)
+    embeds = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)
+    return model.llm(inputs_embeds=embeds, use_cache=True)
+
+
 @torch.inference_mode()
 def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: SamplingParams,
                     eos_token_ids: set[int], cancel: threading.Event | None = None) -> Iterator[Delta]:
@@ -144,40 +201,14 @@ def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: Sampli
     (``max_new_tokens``) or ``cancelled`` (``cancel`` set; checked before every decode step).
     Raises NonFiniteOutputError when the logits of a step are not all finite.
     """
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device="cpu").manual_seed(int(params.seed))
-    suppress = model.image_token_ids.all() if prompt.pixel_values is not None else ()
-    streamer = TextStreamer(tokenizer, params.stop)
-    llm = model.llm
-    if prompt.pixel_values is None:
-        out = llm(input_ids=prompt.input_ids.to(model.device), use_cache=True)
-    else:
-        embeds = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)
-        out = llm(inputs_embeds=embeds, use_cache=True)
-    cache = out.cache
-    logits = out.logits[0, -1]
-    n = 0
+    state = SequenceState(model, tokenizer, prompt, params, eos_token_ids, cancel)
+    out = prefill(model, prompt)
+    cache, logits = out.cache, out.logits[0, -1]
     while True:
-        if cancel is not None and cancel.is_set():
-            yield Delta(streamer.flush(), None, "cancelled", n, time.perf_counter())
+        d = state.step(logits)
+        yield d
+        if state.finished:
             return
-        if n >= params.max_new_tokens:
-            yield Delta(streamer.flush(), None, "length", n, time.perf_counter())
-            return
-        if not torch.isfinite(logits).all():
-            raise NonFiniteOutputError(f"the model produced non-finite logits at completion token {n + 1}")
-        tok = sample_next(logits, params, generator, suppress)
-        n += 1
-        if tok in eos_token_ids:
-            yield Delta(streamer.flush(), None, "stop", n, time.perf_counter())
-            return
-        lp, top = token_logprobs(logits, tok, params.top_logprobs) if params.logprobs else (None, None)
-        delta = streamer.push(tok)
-        if streamer.stopped:
-            yield Delta(delta, tok, "stop", n, time.perf_counter(), lp, top)
-            return
-        yield Delta(delta, tok, None, n, time.perf_counter(), lp, top)
-        out = llm(input_ids=torch.tensor([[tok]], device=model.device), cache=cache, use_cache=True)
-        cache = out.cache
-        logits = out.logits[0, -1]
+        out = model.llm(input_ids=torch.tensor([[state.last_token]], device=model.device), cache=cache,
+                        use_cache=True)
+        cache, logits = out.cache, out.logits[0, -1]

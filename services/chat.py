@@ -27,12 +27,13 @@ from .profiles import FamilySection, Profile
 
 
 class Deployment:
-    """Ray Serve deployment of the grafted VLM: one engine per replica, one generation at a time.
+    """Ray Serve deployment of the grafted VLM: one engine per replica; concurrent requests are decoded together
+    by the engine's continuous batcher (up to ``max_batch_size``).
 
     ``chat_stream(request)`` is an async generator of events: ``{"type": "start", "prompt_tokens"}``, then
     ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
-    Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead. Closing the generator
-    (client gone) stops generation before the next decode step.
+    Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead.
+    Closing the generator (client gone) drops the request from the batch before the next decode step.
     """
 
     def __init__(self, section: dict, model_dir: str):
@@ -45,11 +46,15 @@ class Deployment:
         if cfg.deployment.torch_threads:
             torch.set_num_threads(cfg.deployment.torch_threads)
         self.engine = VLMEngine.from_config(cfg.engine, model_dir)
-        self.lock = asyncio.Lock()
+        self.batcher = self.engine.batcher()
 
     async def ready(self) -> bool:
         """True once the engine is loaded (the constructor has returned)."""
         return True
+
+    async def stats(self) -> dict:
+        """Batcher state: ``active`` rows being decoded now, ``max_batch_seen`` since start."""
+        return {"active": self.batcher.active, "max_batch_seen": self.batcher.max_batch_seen}
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         """OpenAI ``ChatCompletionTokenLogprob``: token text, its UTF-8 bytes, logprob, top alternatives."""
@@ -77,33 +82,22 @@ class Deployment:
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
 
-        def worker():
-            try:
-                for d in engine.generate(prompt, params, cancel):
-                    loop.call_soon_threadsafe(queue.put_nowait, d)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-        async with self.lock:
-            thread = threading.Thread(target=worker, name="vlm-generate", daemon=True)
-            thread.start()
-            try:
-                while True:
-                    d = await queue.get()
-                    if isinstance(d, BaseException):
-                        raise d
-                    if d.text or d.finish_reason is None:
-                        ev = {"type": "delta", "text": d.text}
-                        if d.logprob is not None:
-                            ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
-                        yield ev
-                    if d.finish_reason is not None:
-                        yield {"type": "end", "finish_reason": d.finish_reason,
-                               "completion_tokens": d.completion_tokens}
-                        return
-            finally:
-                cancel.set()
-                await asyncio.to_thread(thread.join, 30)
+        self.batcher.submit(prompt, params, cancel, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        try:
+            while True:
+                d = await queue.get()
+                if isinstance(d, BaseException):
+                    raise d
+                if d.text or d.finish_reason is None:
+                    ev = {"type": "delta", "text": d.text}
+                    if d.logprob is not None:
+                        ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
+                    yield ev
+                if d.finish_reason is not None:
+                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens}
+                    return
+        finally:
+            cancel.set()  # the client went away or the stream ended: the batcher drops the row at its next step
 
 
 def input_error_event(exc: Exception) -> dict:

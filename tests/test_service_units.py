@@ -161,17 +161,41 @@ def test_metrics_label_by_route_template_not_raw_path(profile):
     assert 'endpoint="unmatched",method="GET",status="404"' in text
 
 
-def test_chat_model_failure_mid_stream_is_an_sse_error_event_and_a_500_when_not_streamed(profile, model_dir):
+@pytest.fixture(scope="module")
+def vlm_deployment(profile, model_dir):
+    """The real VLM deployment class, in this process (no Ray)."""
+    from services.chat import Deployment
+
+    return Deployment(profile.vlm.model_dump(mode="json"), str(model_dir))
+
+
+def test_closing_a_chat_stream_drops_the_request_from_the_batch(vlm_deployment):
+    async def go():
+        agen = vlm_deployment.chat_stream({"messages": [{"role": "user", "content": "Write a long essay."}],
+                                           "max_tokens": 400, "temperature": 1.0, "seed": 0})
+        events = [await agen.__anext__() for _ in range(4)]
+        assert events[0]["type"] == "start" and all(e["type"] == "delta" for e in events[1:])
+        assert (await vlm_deployment.stats())["active"] == 1
+        await agen.aclose()
+        for _ in range(100):
+            if (await vlm_deployment.stats())["active"] == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the abandoned request is still being decoded")
+
+    asyncio.run(go())
+
+
+def test_chat_model_failure_mid_stream_is_an_sse_error_event_and_a_500_when_not_streamed(profile, vlm_deployment):
     """The real VLM deployment in-process, its LLM made to emit NaN logits after the first token on purpose."""
     import json
 
     import torch
 
-    from services.chat import Deployment
-
-    dep = Deployment(profile.vlm.model_dump(mode="json"), str(model_dir))
+    dep = vlm_deployment
     lm_head = dep.engine.model.llm.lm_head
-    lm_head.register_forward_hook(lambda m, a, out: torch.full_like(out, float("nan")) if out.shape[1] == 1 else out)
+    hook = lm_head.register_forward_hook(
+        lambda m, a, out: torch.full_like(out, float("nan")) if out.shape[1] == 1 else out)
     app = build_app(_vlm_only(profile), {"vlm": LocalBackend(dep)})
     body = {"model": "chimera-vlm", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 8,
             "temperature": 0}
@@ -188,8 +212,13 @@ def test_chat_model_failure_mid_stream_is_an_sse_error_event_and_a_500_when_not_
             assert "[DONE]" not in events
             r = await c.post("/v1/chat/completions", json=body)
             assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_output"
+            r = await c.post("/v1/chat/completions", json=body)  # the batcher survives a failed request
+            assert r.status_code == 500
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        hook.remove()
 
 
 def test_prepare_is_idempotent(model_dir):
