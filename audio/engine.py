@@ -24,8 +24,8 @@ from .formats import SpeedResampler
 from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
 from .snac_stream import SAMPLE_RATE, StreamingDecoder, load_snac
-from .text import clean_sentence, split_sentences
-from .validate import check_speed, check_text, check_voice
+from .text import clean_sentence, has_speech, split_sentences
+from .validate import check_seed, check_speakable, check_speed, check_text, check_voice
 
 __all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled"]
 
@@ -98,19 +98,20 @@ class TTSEngine:
     # --- synthesis ------------------------------------------------------------------------------------------
     def synthesize(self, text: str, voice: str | None = None, speed: float = 1.0, seed: int | None = None,
                    cancel: threading.Event | None = None) -> Iterator[SpeechAudio | SpeechDone]:
-        """Validate, split ``text`` into sentences and :meth:`speak` them. Raises SpeechInputError (ValueError)."""
+        """Validate, split ``text`` into sentences and :meth:`speak` them. Raises SpeechInputError (ValueError),
+        also when nothing is left to speak once unsupported tags are stripped (``empty_input``)."""
         check_text(self.cfg, text)
-        return self.speak(self.split(text), voice, speed, seed, cancel=cancel)
+        return self.speak(check_speakable(self.cfg, self.split(text)), voice, speed, seed, cancel=cancel)
 
     def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0, seed: int | None = None,
               first_index: int = 0, cancel: threading.Event | None = None) -> Iterator[SpeechAudio | SpeechDone]:
         """Synthesize raw ``sentences`` in order, yielding :class:`SpeechAudio` as it is decoded and a final
         :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (so the
         same text split into any calls gives the same audio). ``cancel`` stops within one token: raises
-        :class:`Cancelled`. Raises SpeechInputError for a bad voice or speed."""
+        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``)."""
         voice = check_voice(self.cfg, voice)
         speed = check_speed(self.cfg, speed)
-        seed = self.cfg.seed if seed is None else seed
+        seed = self.cfg.seed if seed is None else check_seed(seed)
         if seed is None:
             seed = random.randrange(2**31)
         return self._speak(sentences, voice, speed, seed, first_index, cancel)
@@ -125,7 +126,7 @@ class TTSEngine:
             index = first_index + k
             text, stripped = clean_sentence(raw, self.cfg.tags)
             usage["stripped_tags"] += stripped
-            if not text:
+            if not has_speech(text):  # nothing left to say (only unsupported tags / punctuation)
                 continue
             usage["sentences"] += 1
             report = SentenceReport()

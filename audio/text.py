@@ -12,6 +12,7 @@ exactly one sentence (nothing is lost at the joins).
 from __future__ import annotations
 
 import re
+import unicodedata
 
 _BOUNDARY = re.compile(r"[.!?\u2026]+[\"'\u201d\u2019)\]]*\s+")
 _TAG = re.compile(r"<\s*(/?)\s*([A-Za-z][\w:-]*)[^<>]*>")
@@ -35,6 +36,12 @@ def clean_sentence(text: str, tags: list[str]) -> tuple[str, list[str]]:
     out = _SPACE.sub(" ", _TAG.sub(repl, text)).strip()
     out = re.sub(r" ([.,!?;:\u2026])", r"\1", out)  # "a <b>lot</b>." -> "a lot."
     return out, stripped
+
+
+def has_speech(text: str) -> bool:
+    """True when cleaned ``text`` holds something to say: a character other than punctuation and whitespace
+    (Unicode categories P*, Z*). ``""`` or ``"."`` have nothing; ``"<laugh>"`` or ``"Hi"`` do."""
+    return any(not unicodedata.category(c).startswith(("P", "Z")) and not c.isspace() for c in text)
 
 
 def _cut_long(s: str, max_chars: int) -> int:

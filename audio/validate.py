@@ -6,6 +6,7 @@ Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming
 from __future__ import annotations
 
 from .config import TTSConfig
+from .text import clean_sentence, has_speech
 
 RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus")
 STREAM_FORMATS = ("audio", "sse")
@@ -29,6 +30,32 @@ def check_text(cfg: TTSConfig, text) -> str:
         raise SpeechInputError(f"'input' has {len(text)} characters; the limit is {cfg.max_input_chars}",
                                "input", "input_too_long")
     return text
+
+
+def speakable(cfg: TTSConfig, sentence: str) -> bool:
+    """True when ``sentence`` keeps something to say once unsupported tags are stripped
+    (:func:`audio.text.clean_sentence`, :func:`audio.text.has_speech`). ``"<foo>"`` or ``"<b></b>."`` have
+    nothing; ``"<laugh>"`` (a supported tag) does."""
+    return has_speech(clean_sentence(sentence, cfg.tags)[0])
+
+
+def check_speakable(cfg: TTSConfig, sentences: list[str]) -> list[str]:
+    """At least one of ``sentences`` must be :func:`speakable`, else ``empty_input``. Returns ``sentences``."""
+    if not any(speakable(cfg, s) for s in sentences):
+        raise SpeechInputError("'input' has nothing to speak once unsupported tags are removed", "input",
+                               "empty_input")
+    return sentences
+
+
+def check_seed(seed) -> int | None:
+    """None, or an integer (not a bool) with ``|seed| < 2**63`` (what the sampler's generator takes)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
+    if not -2**63 < seed < 2**63:
+        raise SpeechInputError("'seed' must be between -(2**63 - 1) and 2**63 - 1", "seed", "invalid_value")
+    return seed
 
 
 def check_voice(cfg: TTSConfig, voice) -> str:

@@ -3,7 +3,8 @@
 The ``Deployment`` wraps :class:`audio.engine.TTSEngine` in a Ray Serve replica and streams pcm16 pieces from a
 worker thread; closing its stream (client gone, ``response.cancel``) sets the engine's cancel event, which stops
 generation within one token. The router validates requests (``audio.validate``), splits text into sentences
-(``audio.text``) and shapes the responses: chunked audio (a streamed WAV header carries 0xFFFFFFFF sizes), SSE
+(``audio.text``) and shapes the responses: chunked audio (a streamed WAV header carries 0xFFFFFFFF
+sizes; ``"stream": false`` sends the whole file at the end, with exact sizes), SSE
 ``speech.audio.delta``/``speech.audio.done`` events, or websocket events. The websocket is read concurrently with
 synthesis, so a disconnect is seen at once (Ray Serve alone notices it only at the next receive).
 """
@@ -26,11 +27,13 @@ from sse_starlette.sse import EventSourceResponse
 from audio.config import TTSConfig
 from audio.formats import MEDIA_TYPES, STREAMABLE, encode, to_pcm16, wav_header
 from audio.text import SentenceBuffer, split_sentences
-from audio.validate import SpeechInputError, check_format, check_speed, check_text, check_voice
+from audio.validate import (SpeechInputError, check_format, check_seed, check_speakable, check_speed, check_text,
+                            check_voice, speakable)
 
 from . import metrics
 from .app import check_model, json_object
 from .backends import Backend
+from .chat import input_error_event, raise_if_error_event
 from .errors import APIError, error_body, to_api_error
 from .profiles import FamilySection, Profile
 
@@ -42,8 +45,9 @@ class Deployment:
     """Ray Serve deployment of the speech engine (one engine per replica; requests run in worker threads).
 
     ``speak(...)`` is an async generator of ``{"type": "audio", "pcm": bytes, "sentence": int}`` (pcm16 24 kHz
-    mono) and a final ``{"type": "done", "usage": {...}}``. Input errors (SpeechInputError) are raised before
-    the first event. Closing the generator stops generation before the next token.
+    mono) and a final ``{"type": "done", "usage": {...}}``. An input error (SpeechInputError) is the only event,
+    ``{"type": "error", ...}`` (:func:`services.chat.input_error_event`): it is an answer, not a replica failure,
+    so Ray does not log it as one. Closing the generator stops generation before the next token.
     """
 
     def __init__(self, section: dict, model_dir: str):
@@ -72,7 +76,11 @@ class Deployment:
         from audio.engine import SpeechDone
 
         cancel = threading.Event()
-        events = self.engine.speak(sentences, voice, speed, seed, first_index, cancel)  # validates now
+        try:
+            events = self.engine.speak(sentences, voice, speed, seed, first_index, cancel)  # validates now
+        except ValueError as exc:  # bad input: answered as a 4xx event, not logged as a replica failure
+            yield input_error_event(exc)
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -138,7 +146,8 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
 
     @router.post("/v1/audio/speech")
     async def create_speech(request: Request):
-        """OpenAI speech: ``input``, ``voice``, ``response_format``, ``speed``, ``stream_format`` (+ ``seed``)."""
+        """OpenAI speech: ``input``, ``voice``, ``response_format``, ``speed``, ``stream_format``, plus our
+        ``seed`` and ``stream`` (``false``: the whole file at the end, a WAV header with exact sizes)."""
         body = await json_object(request)
         try:
             model_id = check_model(profile, "tts", body.get("model"))
@@ -146,19 +155,25 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
             voice = check_voice(cfg, body.get("voice"))
             speed = check_speed(cfg, body.get("speed"))
             fmt, stream_format = check_format(body.get("response_format"), body.get("stream_format"))
-            seed = body.get("seed")
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-                raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
+            seed = check_seed(body.get("seed"))
+            streamed = body.get("stream", True)
+            if not isinstance(streamed, bool):
+                raise SpeechInputError("'stream' must be a boolean", "stream", "invalid_type")
+            if not streamed and stream_format == "sse":
+                raise SpeechInputError("'stream': false cannot be combined with stream_format 'sse'", "stream",
+                                       "invalid_value")
+            sentences = check_speakable(cfg, split_sentences(text, cfg.max_sentence_chars))
         except SpeechInputError as err:
             raise APIError(400, str(err), param=err.param, code=err.code) from None
         timing = _Timing(model_id, "speech")
-        stream = backend.stream("speak", split_sentences(text, cfg.max_sentence_chars), voice, speed, seed, 0)
+        stream = backend.stream("speak", sentences, voice, speed, seed, 0)
         try:
             first = await stream.__anext__()
+            raise_if_error_event(first)  # input errors come as the first event, before any byte is sent
         except asyncio.CancelledError:  # the client went away
             await stream.aclose()
             raise
-        except Exception as exc:  # noqa: BLE001 - input errors surface before any byte is sent
+        except Exception as exc:  # noqa: BLE001
             await stream.aclose()
             raise to_api_error(exc) from None
 
@@ -172,11 +187,12 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
 
         if stream_format == "sse":
             return EventSourceResponse(_sse(events(), fmt, timing), ping=15, sep="\n")
-        if fmt in STREAMABLE:
+        if fmt in STREAMABLE and streamed:
             return StreamingResponse(_chunks(events(), fmt, timing), media_type=MEDIA_TYPES[fmt])
         pcm = bytearray()
         try:
             async for ev in events():
+                raise_if_error_event(ev)
                 if ev["type"] == "audio":
                     timing.audio(len(ev["pcm"]))
                     pcm += ev["pcm"]
@@ -207,6 +223,7 @@ async def _chunks(events, fmt: str, timing: _Timing):
         yield wav_header(SAMPLE_RATE, streamed=True)
     try:
         async for ev in events:
+            raise_if_error_event(ev)
             if ev["type"] == "audio" and ev["pcm"]:
                 timing.audio(len(ev["pcm"]))
                 yield ev["pcm"]
@@ -225,6 +242,7 @@ async def _sse(events, fmt: str, timing: _Timing):
             yield json.dumps({"type": "speech.audio.delta", "audio": b64(wav_header(SAMPLE_RATE, streamed=True))})
         pcm = bytearray()
         async for ev in events:
+            raise_if_error_event(ev)
             if ev["type"] == "audio" and ev["pcm"]:
                 timing.audio(len(ev["pcm"]))
                 if fmt in STREAMABLE:
@@ -261,6 +279,7 @@ class _Session:
                         "sample_rate": SAMPLE_RATE, "format": "pcm16"}
         self.buffer = SentenceBuffer(self.cfg.max_sentence_chars)
         self.chars = 0  # characters appended to the current utterance
+        self.speakable = False  # some dispatched sentence of the current utterance has text left after tag stripping
         self.queue: asyncio.Queue = asyncio.Queue()
         self.send_lock = asyncio.Lock()
         self.response_id: str | None = None
@@ -332,9 +351,7 @@ class _Session:
         if "speed" in s:
             new["speed"] = check_speed(self.cfg, s["speed"])
         if "seed" in s:
-            if s["seed"] is not None and (isinstance(s["seed"], bool) or not isinstance(s["seed"], int)):
-                raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
-            new["seed"] = s["seed"]
+            new["seed"] = check_seed(s["seed"])
         unknown = set(s) - {"model", "voice", "speed", "seed"}
         self.session = new
         await self.send({"type": "session.updated", "session": dict(new), "ignored": sorted(unknown)})
@@ -347,6 +364,7 @@ class _Session:
 
     def _dispatch(self, sentences: list[str]) -> None:
         if sentences:
+            self.speakable = self.speakable or any(speakable(self.cfg, x) for x in sentences)
             rid = self._response()
             self.queue.put_nowait(("speak", self.generation, rid, sentences, self.next_index, dict(self.session)))
             self.next_index += len(sentences)
@@ -361,18 +379,24 @@ class _Session:
         self._dispatch(self.buffer.append(text))
 
     async def commit(self) -> None:
+        """End the utterance: one ``response.audio.done``; an ``empty_input`` error instead (and no done) when
+        nothing in it is left to speak once unsupported tags are stripped."""
         rest = self.buffer.finish()
-        if self.response_id is None and not "".join(rest).strip():
-            raise SpeechInputError("nothing to commit: append text first", "text", "empty_input")
+        if not (self.speakable or any(speakable(self.cfg, x) for x in rest)):
+            if self.response_id is not None:  # tag-only sentences already queued: drop their response
+                self.queue.put_nowait(("drop", self.generation, self.response_id))
+            self.response_id, self.chars, self.speakable = None, 0, False
+            raise SpeechInputError("nothing to speak: append text first (unsupported tags are not read aloud)",
+                                   "text", "empty_input")
         self._dispatch(rest)
         self.queue.put_nowait(("done", self.generation, self._response()))
-        self.response_id, self.chars = None, 0
+        self.response_id, self.chars, self.speakable = None, 0, False
 
     async def cancel(self) -> None:
         rid = self.speaking or self.response_id
         self.generation += 1
         self.buffer.clear()
-        self.response_id, self.chars = None, 0
+        self.response_id, self.chars, self.speakable = None, 0, False
         if self.current is not None:
             self.current.cancel()
         await self.send({"type": "response.audio.done", "response_id": rid, "status": "cancelled", "usage": None})
@@ -385,6 +409,9 @@ class _Session:
                 usage.pop(item[2], None)
                 continue  # a cancelled utterance
             rid = item[2]
+            if item[0] == "drop":  # an utterance with nothing to speak: no done event
+                usage.pop(rid, None)
+                continue
             u = usage.setdefault(rid, {"audio_seconds": 0.0, "sentences": 0, "stripped_tags": [], "loops": []})
             if item[0] == "done":
                 usage.pop(rid, None)
@@ -411,6 +438,7 @@ class _Session:
         stream = self.backend.stream("speak", sentences, sess["voice"], sess["speed"], sess["seed"], first_index)
         try:
             async for ev in stream:
+                raise_if_error_event(ev)
                 if ev["type"] == "audio" and ev["pcm"]:
                     timing.audio(len(ev["pcm"]))
                     await self.send({"type": "response.audio.delta", "response_id": rid,

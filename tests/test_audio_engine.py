@@ -227,6 +227,27 @@ def test_engine_stream_and_usage(engine):
             list(engine.synthesize(args.pop("text"), **args))
 
 
+def test_engine_rejects_tag_only_text_and_out_of_range_seed(engine):
+    from audio.validate import check_seed, check_speakable
+
+    cfg = engine.cfg
+    for text in ["<foo>", "<foo> </b>. <break time=\"1s\"/>"]:  # nothing left once unsupported tags go
+        with pytest.raises(SpeechInputError) as err:
+            engine.synthesize(text)
+        assert (err.value.param, err.value.code) == ("input", "empty_input")
+    assert check_speakable(cfg, ["<foo>. ", "<laugh>"]) == ["<foo>. ", "<laugh>"]  # a supported tag is spoken
+    ev = list(engine.speak(["<foo> </b>. ", "Hi."], seed=3))  # a tag-only sentence in a longer text: skipped
+    assert ev[-1].usage["sentences"] == 1 and ev[-1].usage["stripped_tags"] == ["<foo>", "</b>"]
+    assert {e.sentence for e in ev[:-1]} == {1}
+    for seed in [2**63, -2**63, 2**70, True, 1.5, "3"]:
+        with pytest.raises(SpeechInputError) as err:
+            engine.speak(["Hi."], seed=seed)  # raised before any generation
+        assert (err.value.param, err.value.code) == ("seed", "invalid_value")
+    assert [check_seed(s) for s in (None, 0, 2**63 - 1, -(2**63 - 1))] == [None, 0, 2**63 - 1, -(2**63 - 1)]
+    ev = list(engine.speak(["Hi."], seed=2**63 - 1, first_index=3))  # seed + index beyond int64 still samples
+    assert ev[-1].usage["frames"] == len(np.concatenate([e.audio for e in ev[:-1]])) // FRAME_SAMPLES > 0
+
+
 def test_formats_and_speed():
     x = (0.5 * np.sin(np.arange(24000) / 10)).astype(np.float32)
     pcm = to_pcm16(x)
@@ -236,6 +257,11 @@ def test_formats_and_speed():
         assert sr == 24000 and data.ndim == 1 and abs(len(data) - 24000) < 3000
     hdr = wav_header()
     assert len(hdr) == 44 and hdr[4:8] == b"\xff\xff\xff\xff" and hdr[40:44] == b"\xff\xff\xff\xff"
+    import wave
+
+    with wave.open(io.BytesIO(encode(pcm, "wav"))) as w:  # the whole-file WAV has exact sizes
+        assert (w.getnframes(), w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 24000, 1, 2)
+        assert w.readframes(24000) == pcm
     r = SpeedResampler(2.0)
     out = np.concatenate([r.push(x[i:i + 1000]) for i in range(0, 24000, 1000)] + [r.flush()])
     assert abs(len(out) - 12000) <= 1

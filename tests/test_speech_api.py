@@ -41,6 +41,38 @@ def test_sdk_speech_formats(openai_client, fmt):
         assert resp.content[4:8] == b"\xff\xff\xff\xff" and resp.content[40:44] == b"\xff\xff\xff\xff"
 
 
+def test_not_streamed_wav_has_exact_sizes(openai_client, serve_url):
+    import wave
+
+    resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
+                                             response_format="wav", extra_body={"seed": 1, "stream": False})
+    assert resp.response.headers["content-length"] == str(len(resp.content)) == str(44 + 4 * 2048 * 2)
+    with wave.open(io.BytesIO(resp.content)) as w:  # a streamed header would read as 2147483647 frames
+        assert (w.getnframes(), w.getframerate(), w.getnchannels(), w.getsampwidth()) == (4 * 2048, 24000, 1, 2)
+        frames = w.readframes(w.getnframes())
+    streamed = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
+                                                 response_format="pcm", extra_body={"seed": 1})
+    assert frames == streamed.content  # same audio as the streamed response
+    for extra, code in [({"stream": "no"}, "invalid_type"), ({"stream": False, "stream_format": "sse"}, "invalid_value")]:
+        r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"} | extra,
+                       timeout=30)
+        assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == ("stream", code)
+
+
+@pytest.mark.parametrize("text", ["<foo>", "<foo> </b>. <break time=\"1s\"/>"])
+def test_tag_only_input_is_empty_input(serve_url, openai_client, text):
+    for fmt in ("wav", "pcm", "flac", "mp3", "opus"):
+        for stream_format in ("audio", "sse"):
+            r = httpx.post(f"{serve_url}/v1/audio/speech", timeout=30,
+                           json={"input": text, "response_format": fmt, "stream_format": stream_format})
+            assert r.status_code == 400, (fmt, stream_format, r.content[:60])
+            assert r.json()["error"] == {"message": "'input' has nothing to speak once unsupported tags are removed",
+                                         "type": "invalid_request_error", "param": "input", "code": "empty_input"}
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.audio.speech.create(model="chimera-tts", voice="tara", input=text)
+    assert err.value.body["code"] == "empty_input"
+
+
 def test_sdk_streaming_response_bytes_before_end(openai_client):
     text = " ".join(["This sentence is number %d." % i for i in range(6)])
     t0 = time.perf_counter()
@@ -122,10 +154,18 @@ def test_bad_body_and_model(serve_url):
     r = httpx.post(f"{serve_url}/v1/audio/speech", json=["Hello."], timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     for extra, param, code in [({"input": 123}, "input", "invalid_type"), ({"speed": "fast"}, "speed", "invalid_speed"),
-                               ({"seed": "x"}, "seed", "invalid_value"), ({"voice": 7}, "voice", "unknown_voice")]:
+                               ({"seed": "x"}, "seed", "invalid_value"), ({"voice": 7}, "voice", "unknown_voice"),
+                               ({"seed": 2**70}, "seed", "invalid_value"), ({"seed": 2**63}, "seed", "invalid_value"),
+                               ({"seed": -2**63}, "seed", "invalid_value"), ({"seed": True}, "seed", "invalid_value")]:
         r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara"} | extra, timeout=30)
         assert r.status_code == 400, extra
         assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
+        if "seed" in extra:
+            assert r.json()["error"]["message"] in ("'seed' must be an integer",
+                                                    "'seed' must be between -(2**63 - 1) and 2**63 - 1")
+    r = httpx.post(f"{serve_url}/v1/audio/speech", timeout=60,
+                   json={"input": "Hi.", "voice": "tara", "response_format": "pcm", "seed": 2**63 - 1})
+    assert r.status_code == 200 and len(r.content) == 4 * 2048 * 2  # the largest seed is fine
     r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara", "model": "nope"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
@@ -239,7 +279,7 @@ def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster
 
 def test_ws_bad_input_keeps_socket_open(serve_url):
     with connect(_ws_url(serve_url)) as ws:
-        ws.recv(timeout=30)
+        created = json.loads(ws.recv(timeout=30))
         cases = [("{not json", "invalid_json"), (json.dumps([1, 2]), "invalid_event"),
                  (json.dumps({"type": "bogus.event"}), "unknown_event"), (b"\x00\x01binary", "binary_not_supported"),
                  (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "unknown_voice"),
@@ -249,19 +289,58 @@ def test_ws_bad_input_keeps_socket_open(serve_url):
                  (json.dumps({"type": "session.update", "session": {"model": "nope"}}), "model_not_found"),
                  (json.dumps({"type": "input_text.append", "text": 5}), "invalid_type"),
                  (json.dumps({"type": "input_text.append", "text": "x" * 4097}), "input_too_long"),
-                 (json.dumps({"type": "input_text.commit"}), "empty_input")]
+                 (json.dumps({"type": "input_text.commit"}), "empty_input"),
+                 (json.dumps({"type": "session.update", "session": {"seed": 2**70}}), "invalid_value"),
+                 (json.dumps({"type": "session.update", "session": {"seed": True}}), "invalid_value")]
         for msg, code in cases:
             ws.send(msg)
             m = json.loads(ws.recv(timeout=30))
             assert m["type"] == "error" and m["error"]["code"] == code, (msg, m)
+        _send(ws, type="session.update", session={})
+        assert json.loads(ws.recv(timeout=30))["session"]["seed"] == created["session"]["seed"]  # unchanged
+        # only unsupported tags: an error, no response.audio.done, also when a tag-only sentence was already queued
+        for pieces in (["<foo>"], ["<foo> </b>. ", "<break time=\"1s\"/>"]):
+            for p in pieces:
+                _send(ws, type="input_text.append", text=p)
+            _send(ws, type="input_text.commit")
+            m = json.loads(ws.recv(timeout=30))
+            assert m["type"] == "error" and (m["error"]["code"], m["error"]["param"]) == ("empty_input", "text"), m
         _send(ws, type="session.update", session={"seed": 2})
         assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
         _send(ws, type="input_text.append", text="Still <laugh> here.")
         _send(ws, type="input_text.clear")
         _send(ws, type="input_text.append", text="Still here.")
         _send(ws, type="input_text.commit")
-        pcm, done = _utterance(ws)
-        assert done["usage"]["sentences"] == 1 and len(pcm) == 4 * 2048 * 2
+        pcm, done = _utterance(ws)  # the first done is this utterance's (the tag-only ones sent none)
+        assert done["status"] == "completed" and done["usage"]["sentences"] == 1 and len(pcm) == 4 * 2048 * 2
+        assert done["usage"]["stripped_tags"] == []  # nothing of the dropped tag-only utterance
+
+
+def test_input_errors_are_answers_not_replica_failures(serve_url, ray_cluster):
+    """A bad request that reaches the replica comes back as an error event; the replica logs no traceback."""
+    import ray
+    from ray import serve
+
+    log_dir = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+
+    def replica_log() -> str:
+        return "".join(f.read_text(errors="ignore") for f in sorted(log_dir.glob("replica_chimera_tts_*.log")))
+
+    before = replica_log().count("CALL speak OK")
+    handle = serve.get_deployment_handle("tts", app_name="chimera").options(stream=True)
+    cases = [((["Hi."], None, 1.0, 2**70, 0), "seed", "invalid_value"),
+             ((["Hi."], "alloy", 1.0, None, 0), "voice", "unknown_voice"),
+             ((["Hi."], None, 9.0, None, 0), "speed", "invalid_speed")]
+    for args, param, code in cases:
+        events = list(handle.speak.remote(*args))
+        assert len(events) == 1 and events[0]["type"] == "error", events
+        assert (events[0]["status"], events[0]["param"], events[0]["code"]) == (400, param, code)
+    deadline = time.time() + 10
+    while replica_log().count("CALL speak OK") < before + 3 and time.time() < deadline:
+        time.sleep(0.2)  # Ray writes its access lines asynchronously
+    text = replica_log()
+    assert text.count("CALL speak OK") >= before + 3
+    assert "Request failed" not in text and "Traceback" not in text and "CALL speak ERROR" not in text
 
 
 def test_speech_metrics_recorded(serve_url, openai_client):
