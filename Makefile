@@ -32,6 +32,7 @@ test: prepare
 # Each prints ratios measured side by side in one run (the machine is noisy; absolute times are not the point).
 bench: prepare
 	$(BIN)/python bench/service_overhead.py
+	$(BIN)/python bench/vlm_batching.py
 	$(BIN)/python bench/tts_latency.py
 	$(BIN)/python bench/video_chaining.py
 	$(BIN)/python bench/sparse_attention.py
