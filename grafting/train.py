@@ -224,10 +224,12 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def load_checkpoint_config(path: str | Path) -> GraftModelConfig:
-    """The :class:`GraftModelConfig` that loads a saved checkpoint (``graft.json`` + ``projector/``)."""
+    """The :class:`GraftModelConfig` that loads a saved checkpoint (``graft.json`` + ``projector/``); a tower
+    named relative to the checkpoint folder (an exported graft) is found there."""
     path = Path(path)
     g = json.loads((path / "graft.json").read_text())
-    return GraftModelConfig(tower=g["tower"], llm=g["llm"], tower_key_prefix=g.get("tower_key_prefix"),
+    tower = str(path / g["tower"]) if (path / g["tower"]).is_dir() else g["tower"]  # exported grafts: relative
+    return GraftModelConfig(tower=tower, llm=g["llm"], tower_key_prefix=g.get("tower_key_prefix"),
                             image_tokens=ImageTokens(**g["image_tokens"]), max_image_side=g["max_image_side"],
                             init_projector=str(path / g.get("projector", "projector")))
 

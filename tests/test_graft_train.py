@@ -164,9 +164,31 @@ def test_gpu_config_dry_run_on_meta_device():
 def test_cpu_configs_parse():
     from grafting.train import TrainConfig
 
-    for name in ("cpu", "cpu_captions_only", "cpu_random_tower"):
+    for name in ("cpu", "cpu_exp_b", "cpu_captions_only", "cpu_random_tower"):
         cfg = TrainConfig.from_yaml(REPO / f"configs/graft/{name}.yaml")
-        assert cfg.model.llm.endswith("vlm/llm")
+        assert cfg.model.llm.endswith("vlm/llm") and cfg.stages[0].name == "captions"
     a = TrainConfig.from_yaml(REPO / "configs/graft/cpu_captions_only.yaml")
-    b = TrainConfig.from_yaml(REPO / "configs/graft/cpu.yaml")
-    assert a.total_steps == b.total_steps and a.optim == b.optim  # same compute for (a) and (b)
+    b = TrainConfig.from_yaml(REPO / "configs/graft/cpu_exp_b.yaml")
+    c = TrainConfig.from_yaml(REPO / "configs/graft/cpu_random_tower.yaml")
+    assert a.total_steps == b.total_steps == c.total_steps and a.optim == b.optim == c.optim  # same compute
+    assert [s.name for s in b.stages] == ["captions", "qa"] and b.stages == c.stages
+    assert c.model.tower != b.model.tower
+
+
+def test_prepare_installs_the_shipped_graft_and_switches_back(profile, model_dir, tmp_path):
+    from grafting import build
+    from grafting.engine import VLMEngine
+
+    cfg = profile.vlm.engine
+    assert cfg.build.shipped_graft, "the cpu profile ships a trained graft"
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "llm").symlink_to((model_dir / cfg.llm).resolve())
+    assert build.prepare(cfg, tmp_path) is True
+    assert (tmp_path / cfg.tower / build.SHIPPED_MARKER).read_text() == cfg.build.shipped_graft
+    assert build.prepare(cfg, tmp_path) is False  # idempotent
+    eng = VLMEngine.from_config(cfg, tmp_path)
+    assert eng.model.tower.config.hidden_size == 192 and eng.model.projector.config.llm_hidden_size == 576
+    random_cfg = cfg.model_copy(update={"build": cfg.build.model_copy(update={"shipped_graft": None})})
+    assert build.prepare(random_cfg, tmp_path) is True  # stale shipped folders are replaced
+    assert not (tmp_path / cfg.tower / build.SHIPPED_MARKER).exists()
+    assert VLMEngine.from_config(random_cfg, tmp_path).model.tower.config.hidden_size == cfg.build.tower.hidden_size
