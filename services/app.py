@@ -129,7 +129,8 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
 
     @app.get("/metrics", tags=["ops"])
     async def prometheus_metrics():
-        """Prometheus text exposition of the ingress metrics."""
+        """Prometheus text exposition of the ingress metrics (before-scrape hooks refresh gauges first)."""
+        await metrics.run_before_scrape()
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["models"])

@@ -71,6 +71,7 @@ class JobStore:
             sa.Column("size", sa.String(32), nullable=False),
             sa.Column("params", sa.JSON, nullable=False),
             sa.Column("idempotency_key", sa.String(256), unique=True, nullable=True),
+            sa.Column("request_hash", sa.String(64), nullable=True),  # sha256 of the canonical request
             sa.Column("started_at", sa.Float, nullable=True),
             sa.Column("completed_at", sa.Float, nullable=True),
             sa.Column("expires_at", sa.Float, nullable=True),
@@ -167,7 +168,10 @@ class JobStore:
 
 
 def video_object(row: dict) -> dict:
-    """The API's Video object for a store row."""
+    """The API's Video object for a store row.
+
+    ``phase`` is the job's current phase (``queued`` | ``denoising`` | ``decoding`` | ``encoding``) while it is
+    queued or running, and None once it is completed, failed or cancelled (the store keeps the last phase)."""
     err = {"code": row["error_code"], "message": row["error_message"]} if row.get("error_code") else None
     return {"id": row["id"], "object": "video", "model": row["model"], "status": row["status"],
             "progress": int(row["progress"]), "created_at": int(row["created_at"]),
@@ -175,7 +179,22 @@ def video_object(row: dict) -> dict:
             "expires_at": int(row["expires_at"]) if row.get("expires_at") else None,
             "seconds": row["seconds"], "size": row["size"], "prompt": row["prompt"], "error": err,
             "remixed_from_video_id": None, "clips_total": row["clips_total"], "clips_done": row["clips_done"],
-            "phase": row["phase"]}
+            "phase": row["phase"] if row["status"] in ACTIVE else None}
+
+
+def request_hash(request: dict, image_png: bytes | None = None, extend_from: dict | None = None,
+                 upload: dict | None = None, seconds_label: str | None = None) -> str:
+    """sha256 (hex) of a job's canonical request: the validated VideoRequest, the input image's bytes, and the
+    extended video (its id, or the uploaded file's bytes). Two submissions under one ``Idempotency-Key`` are
+    the same request iff their hashes agree."""
+    import hashlib
+
+    def digest(b: bytes | None) -> str | None:
+        return None if b is None else hashlib.sha256(b).hexdigest()
+
+    canon = {"request": request, "image": digest(image_png), "seconds": seconds_label,
+             "extend": (extend_from or {}).get("id"), "upload": digest((upload or {}).get("video"))}
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # ---- the job task --------------------------------------------------------------------------------------------
@@ -310,12 +329,17 @@ class JobManager:
 
         Extensions pass ``extend_from`` (from :meth:`extension_source`) or ``upload`` (an uploaded source video:
         ``{"video": mp4 bytes, "last_frame": float32 (3, H, W) array, "reference": ColorStats dict}``).
-        An ``idempotency_key`` seen before returns that job. Raises JobError(429) when ``max_queued`` jobs
-        are unfinished."""
+        An ``idempotency_key`` seen before with the same canonical request (:func:`request_hash`) returns that
+        job; with a different request it raises JobError(409, ``idempotency_key_reused``). Raises JobError(429)
+        when ``max_queued`` jobs are unfinished."""
         await self.recover()
+        digest = request_hash(request, image_png, extend_from, upload, seconds_label)
         if idempotency_key:
             prev = self.store.by_key(idempotency_key)
             if prev is not None:
+                if prev.get("request_hash") not in (None, digest):
+                    raise JobError(409, "this Idempotency-Key was already used with a different request; use a "
+                                        "new key for a new request", "idempotency_key_reused", "Idempotency-Key")
                 return video_object(prev)
         if self.store.count_active() >= self.cfg.jobs.max_queued:
             raise JobError(429, f"{self.cfg.jobs.max_queued} video jobs are already queued; retry later",
@@ -339,6 +363,7 @@ class JobManager:
             id=job_id, created_at=time.time(), model=self.model_id, status="queued", phase="queued", progress=0,
             clips_total=request["num_clips"], clips_done=0, prompt=request["prompt"], seconds=seconds,
             size=f"{request['width']}x{request['height']}", params=params, idempotency_key=idempotency_key,
+            request_hash=digest if idempotency_key else None,
             remixed_from=(extend_from or {}).get("id")))
         self._launch(row)
         return video_object(row)
@@ -393,10 +418,10 @@ class JobManager:
                                     clips_done=int(clips_done))
 
     # -- queries
-    def _row(self, job_id: str) -> dict:
+    def _row(self, job_id: str, param: str = "video_id") -> dict:
         row = self.store.get(job_id)
         if row is None:
-            raise JobError(404, f"no video with id {job_id!r}", "video_not_found", "video_id")
+            raise JobError(404, f"no video with id {job_id!r}", "video_not_found", param)
         return row
 
     async def get(self, job_id: str) -> dict:
@@ -429,8 +454,8 @@ class JobManager:
 
     async def extension_source(self, job_id: str) -> dict:
         """What an extension of a completed job needs: paths of its MP4 and float last frame, its drift
-        reference, size and fps. Raises JobError 404 / 409."""
-        row = self._row(job_id)
+        reference, size and fps. Raises JobError 404 / 409 (``param`` ``video``: the request field naming it)."""
+        row = self._row(job_id, "video")
         if row["status"] != "completed":
             raise JobError(409, f"video {job_id} is {row['status']}; only completed videos can be extended",
                            "video_not_ready", "video")
@@ -456,6 +481,10 @@ class JobManager:
                 w.cancel()
         self.store.delete(job_id)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
+
+    async def queue_length(self) -> int:
+        """Jobs queued or running, as the store has them (the ``chimera_video_queue_length`` gauge)."""
+        return self.store.count_active()
 
     async def running(self) -> list[str]:
         """Ids of jobs whose task is queued or running in Ray."""

@@ -6,9 +6,33 @@ each family adds its block below. Exposed at ``GET /metrics``.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+# --- before-scrape hooks: refresh gauges whose truth lives elsewhere (another process, a store) -------------
+BEFORE_SCRAPE: dict[str, Callable[[], Awaitable[None]]] = {}
+
+
+def before_scrape(name: str, hook: Callable[[], Awaitable[None]]) -> None:
+    """Register the async ``hook`` to run before each ``GET /metrics`` (a later one of the same ``name``
+    replaces it, so rebuilding an app never piles up hooks)."""
+    BEFORE_SCRAPE[name] = hook
+
+
+async def run_before_scrape(timeout_s: float = 2.0) -> None:
+    """Run every before-scrape hook, each within ``timeout_s`` seconds; a failing hook is logged (warning) and
+    leaves its metrics as they were."""
+    for name, hook in list(BEFORE_SCRAPE.items()):
+        try:
+            await asyncio.wait_for(hook(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a scrape never fails because one refresh did
+            logging.getLogger("chimera").warning("metrics hook %s failed: %s", name, exc)
+
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -29,7 +53,8 @@ ACTIVE_CHAT = Gauge("chimera_chat_streams_active", "Chat completions being gener
 # --- video jobs (owned by the video family) ------------------------------------------------------------------
 VIDEO_JOBS = Counter("chimera_video_jobs_created_total", "Video jobs accepted (creations and extensions)",
                      registry=REGISTRY)
-VIDEO_QUEUE = Gauge("chimera_video_queue_length", "Video jobs queued or running (as last seen by the ingress)",
+VIDEO_QUEUE = Gauge("chimera_video_queue_length", "Video jobs queued or running (refreshed from the job store "
+                    "on every scrape and video request)",
                     registry=REGISTRY)
 VIDEO_JOB_SECONDS = Histogram("chimera_video_job_duration_seconds",
                               "Video job duration from creation to completion/failure (s)", ["status"],

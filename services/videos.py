@@ -4,12 +4,18 @@ The router parses JSON or multipart bodies (the ``openai`` SDK sends multipart w
 file, and ``video[id]`` for extensions) and calls the ``Deployment``, which validates the request against
 the profile (:func:`video.request.plan_request`) before anything is queued, then hands it to the
 :class:`services.jobs.JobManager` actor. Job state lives in the manager's store, not in this replica.
+
+Bad input never raises out of the deployment (Ray Serve would log each as a replica failure with its
+traceback): the deployment returns it as an ``error`` event (:func:`services.chat.input_error_event`) and the
+router raises the matching APIError. Every 4xx carries a stable ``code``.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,17 +25,38 @@ from starlette.datastructures import UploadFile
 from . import metrics
 from .app import check_model
 from .backends import Backend
+from .chat import input_error_event, raise_if_error_event
 from .errors import APIError, to_api_error, unwrap
 from .profiles import FamilySection, Profile
 
 _TERMINAL = ("completed", "failed", "cancelled")
+log = logging.getLogger("chimera")
+
+
+def _input_errors_as_events(method):
+    """Deployment-method decorator: input errors (ValueError, or any exception whose ``status_code`` is 4xx)
+    are returned as an ``error`` event dict instead of raised; other exceptions propagate (500, logged)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            exc = unwrap(exc)
+            status = getattr(exc, "status_code", None)
+            if isinstance(exc, ValueError) or (isinstance(status, int) and 400 <= status < 500):
+                return input_error_event(exc)
+            raise
+
+    return wrapper
 
 
 class Deployment:
     """Ray Serve deployment of the video family: validation and the door to the job-manager actor.
 
     It loads no model itself (each job's Ray task loads the engine, on its own GPU in GPU profiles).
-    Errors: RequestError/MediaError (400/413/415) on bad input, JobError (404/409/429) from the manager.
+    Errors: RequestError/MediaError (400/413/415) on bad input and JobError (404/409/429) from the manager are
+    *returned* as ``{"type": "error", "status", "message", "param", "code"}`` events, not raised.
     """
 
     def __init__(self, section: dict, model_dir: str):
@@ -52,6 +79,7 @@ class Deployment:
         """True once the job manager answers (it recovers interrupted jobs on first contact)."""
         return bool(await self._call("ping"))
 
+    @_input_errors_as_events
     async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None) -> dict:
         """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (any format
         Pillow reads; stored as PNG). Returns the Video object (status ``queued``)."""
@@ -69,6 +97,7 @@ class Deployment:
         return await self._call("create", req.to_dict(), image_png=png, idempotency_key=idempotency_key,
                                 seconds_label=_seconds_label(req.duration_s))
 
+    @_input_errors_as_events
     async def extend(self, fields: dict, video_id: str | None = None, video: bytes | None = None,
                      idempotency_key: str | None = None) -> dict:
         """Queue an extension of a completed video (``video_id``) or of an uploaded video file (``video``):
@@ -76,7 +105,7 @@ class Deployment:
         appended. ``fields``: ``prompt``, ``seconds`` (of the extension) and optional generation fields."""
         from video.drift import color_stats
         from video.media import MediaError, decode_video
-        from video.request import plan_request
+        from video.request import RequestError, plan_request
 
         if video_id is not None:
             src = await self._call("extension_source", video_id)
@@ -88,7 +117,8 @@ class Deployment:
             return await self._call("create", req.to_dict(), extend_from=src, idempotency_key=idempotency_key,
                                     seconds_label=_seconds_label(total))
         if video is None:
-            raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video")
+            raise RequestError("video is required: {\"id\": <completed video id>} or a video file", "video",
+                               "missing_required_parameter")
         if len(video) > self.cfg.limits.max_video_bytes:
             raise MediaError(f"video is {len(video)} bytes, the limit is {self.cfg.limits.max_video_bytes}", 413,
                              "video")
@@ -107,25 +137,34 @@ class Deployment:
         return await self._call("create", req.to_dict(), upload=upload, idempotency_key=idempotency_key,
                                 seconds_label=_seconds_label(total))
 
+    @_input_errors_as_events
     async def get(self, video_id: str) -> dict:
         """The Video object (404 if unknown)."""
         return await self._call("get", video_id)
 
+    @_input_errors_as_events
     async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
         """Videos newest first (cursor ``after``)."""
         return await self._call("list", limit, after, order)
 
-    async def content(self, video_id: str, variant: str = "video") -> bytes:
-        """MP4 or PNG bytes (409 unless completed)."""
+    @_input_errors_as_events
+    async def content(self, video_id: str, variant: str = "video") -> bytes | dict:
+        """MP4 or PNG bytes (an error event: 404 unknown, 409 unless completed)."""
         return await self._call("content", video_id, variant)
 
+    @_input_errors_as_events
     async def delete(self, video_id: str) -> dict:
         """Cancel (freeing its worker) and delete a job and its files (404 if unknown or already deleted)."""
         return await self._call("delete", video_id)
 
+    @_input_errors_as_events
     async def record(self, video_id: str) -> dict:
         """The raw job record (params, device): operations and tests."""
         return await self._call("record", video_id)
+
+    async def queue_length(self) -> int:
+        """Jobs queued or running, counted in the job store (the ``chimera_video_queue_length`` gauge)."""
+        return int(await self._call("queue_length"))
 
 
 _EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
@@ -147,13 +186,13 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
         try:
             form = await request.form(max_part_size=max_bytes)
         except Exception as exc:  # noqa: BLE001 - malformed multipart
-            raise APIError(400, f"could not parse the form body: {exc}") from None
+            raise APIError(400, f"could not parse the form body: {exc}", code="invalid_body") from None
         fields, files = {}, {}
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
                 data = await value.read(max_bytes + 1)
                 if len(data) > max_bytes:
-                    raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="file_too_large")
+                    raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="too_large")
                 files[key] = data
             else:
                 fields[key] = value
@@ -162,11 +201,14 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
         try:
             body = json.loads(await request.body() or b"{}")
         except json.JSONDecodeError as exc:
-            raise APIError(400, f"body is not valid JSON: {exc.msg}") from None
+            raise APIError(400, f"body is not valid JSON: {exc.msg}", code="invalid_json") from None
+        except UnicodeDecodeError:  # json.loads guesses UTF-8/16/32 from the first bytes, then fails to decode
+            raise APIError(400, "body is not valid JSON: it is not UTF-8 text", code="invalid_json") from None
         if not isinstance(body, dict):
-            raise APIError(400, "body must be a JSON object")
+            raise APIError(400, "body must be a JSON object", code="invalid_json")
         return body, {}
-    raise APIError(415, f"unsupported content type {ctype!r} (use application/json or multipart/form-data)")
+    raise APIError(415, f"unsupported content type {ctype!r} (use application/json or multipart/form-data)",
+                   code="unsupported_media_type")
 
 
 def _data_url_bytes(url: str, param: str) -> bytes:
@@ -178,7 +220,7 @@ def _data_url_bytes(url: str, param: str) -> bytes:
     try:
         return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except (binascii.Error, ValueError):
-        raise APIError(400, f"{param}: invalid base64 data", param=param) from None
+        raise APIError(400, f"{param}: invalid base64 data", param=param, code="invalid_image_url") from None
 
 
 def _observe(obj: dict, seen: set) -> dict:
@@ -197,13 +239,15 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     seen: set[str] = set()
 
     class _Backend:
-        """The backend, with every error turned into an APIError here (4xx answered by the APIError handler)."""
+        """The backend, with every error (raised, or returned as an ``error`` event) turned into an APIError
+        here (4xx answered by the APIError handler)."""
 
         async def call(self, method: str, *args: Any) -> Any:
             try:
-                return await raw_backend.call(method, *args)
-            except APIError:
-                raise
+                out = await raw_backend.call(method, *args)
+                if isinstance(out, dict):
+                    raise_if_error_event(out)
+                return out
             except Exception as exc:  # noqa: BLE001 - mapped to its status (500 only for our bugs)
                 err = to_api_error(exc)
                 if err.status == 429:
@@ -215,12 +259,22 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     def key_of(request: Request) -> str | None:
         k = request.headers.get("idempotency-key")
         if k is not None and not (0 < len(k) <= 256):
-            raise APIError(400, "Idempotency-Key must be 1-256 characters", param="Idempotency-Key")
+            raise APIError(400, "Idempotency-Key must be 1-256 characters", param="Idempotency-Key",
+                           code="invalid_idempotency_key")
         return k
 
-    async def refresh_queue():
-        page = await backend.call("list", 100)
-        metrics.VIDEO_QUEUE.set(sum(1 for v in page["data"] if v["status"] in ("queued", "in_progress")))
+    async def refresh_queue() -> None:
+        """Set the queue-length gauge from the job store's count (run before every /metrics scrape)."""
+        metrics.VIDEO_QUEUE.set(await backend.call("queue_length"))
+
+    async def refresh_queue_quietly() -> None:
+        """:func:`refresh_queue` after a video request; its failure never fails the request."""
+        try:
+            await refresh_queue()
+        except Exception as exc:  # noqa: BLE001 - the next scrape refreshes it again
+            log.warning("could not refresh the video queue length: %s", exc)
+
+    metrics.before_scrape("video_queue_length", refresh_queue)
 
     @router.post("/v1/videos")
     async def create_video(request: Request):
@@ -239,13 +293,14 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
                     ref = {"image_url": ref}
             if not isinstance(ref, dict) or not ref.get("image_url"):
                 raise APIError(400, "input_reference must be an image file or {\"image_url\": <data URL>}",
-                               param="input_reference")
+                               param="input_reference", code="invalid_value")
             image = _data_url_bytes(ref["image_url"], "input_reference")
         if files:
-            raise APIError(400, f"unexpected file field(s): {', '.join(files)}", param=next(iter(files)))
+            raise APIError(400, f"unexpected file field(s): {', '.join(files)}", param=next(iter(files)),
+                           code="unexpected_file")
         obj = await backend.call("create", fields, image, key_of(request))
         metrics.VIDEO_JOBS.inc()
-        await refresh_queue()
+        await refresh_queue_quietly()
         return obj
 
     @router.post("/v1/videos/extensions")
@@ -265,22 +320,24 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         if isinstance(v, dict):
             video_id = v.get("id") or video_id
         elif v is not None:
-            raise APIError(400, "video must be {\"id\": <video id>} or a video file", param="video")
+            raise APIError(400, "video must be {\"id\": <video id>} or a video file", param="video",
+                           code="invalid_value")
         data = files.pop("video", None)
         if video_id is None and data is None:
-            raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video")
+            raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video",
+                           code="missing_required_parameter")
         obj = await backend.call("extend", fields, video_id, data if video_id is None else None, key_of(request))
         metrics.VIDEO_JOBS.inc()
-        await refresh_queue()
+        await refresh_queue_quietly()
         return obj
 
     @router.get("/v1/videos")
     async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
         """Videos, newest first (``order=asc`` oldest first); ``after`` is the last id of the previous page."""
         if not 1 <= limit <= 100:
-            raise APIError(400, "limit must be between 1 and 100", param="limit")
+            raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
         if order not in ("asc", "desc"):
-            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
         page = await backend.call("list", limit, after, order)
         for v in page["data"]:
             _observe(v, seen)
@@ -289,14 +346,18 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     @router.get("/v1/videos/{video_id}")
     async def get_video(video_id: str):
         """One video job (``openai-poll-after-ms`` tells the SDK's ``poll`` how often to ask)."""
+        finished = len(seen)
         obj = _observe(await backend.call("get", video_id), seen)
+        if len(seen) != finished:  # a job just seen finished: the queue is shorter
+            await refresh_queue_quietly()
         return JSONResponse(obj, headers={"openai-poll-after-ms": "500"})
 
     @router.get("/v1/videos/{video_id}/content")
     async def video_content(video_id: str, variant: str = "video"):
         """The MP4 (``variant=video``) or PNG thumbnail (``variant=thumbnail``); 409 until completed."""
         if variant not in ("video", "thumbnail"):
-            raise APIError(400, f"variant {variant!r} is not supported (video | thumbnail)", param="variant")
+            raise APIError(400, f"variant {variant!r} is not supported (video | thumbnail)", param="variant",
+                           code="invalid_value")
         data = await backend.call("content", video_id, variant)
         media = "video/mp4" if variant == "video" else "image/png"
         ext = "mp4" if variant == "video" else "png"
@@ -307,7 +368,7 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     async def delete_video(video_id: str):
         """Cancel (if queued or running; its GPU is freed) and delete the job and its files."""
         out = await backend.call("delete", video_id)
-        await refresh_queue()
+        await refresh_queue_quietly()
         return JSONResponse(out)
 
     return router

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import time
+import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -60,6 +63,7 @@ def _newest(url):
 def t2v(openai_client):
     v = openai_client.videos.create(prompt="a lighthouse at dusk", seconds="4", size="64x64", extra_body=FAST)
     assert v.status == "queued" and v.progress == 0 and v.model == "chimera-video" and v.size == "64x64"
+    assert v.model_extra["phase"] == "queued"
     return v
 
 
@@ -69,6 +73,7 @@ def test_text_to_video(openai_client, t2v):
     assert v.seconds == "4" and v.completed_at >= v.created_at and v.expires_at > v.completed_at
     extra = v.model_extra
     assert extra["clips_total"] == extra["clips_done"] == 1
+    assert extra["phase"] is None  # a finished job has no phase (README)
     frames, fps = _frames(openai_client, v.id)
     assert frames.shape == (9, 64, 64, 3) and fps == 2
     thumb = openai_client.videos.download_content(v.id, variant="thumbnail")
@@ -117,6 +122,16 @@ def test_idempotency_key_returns_the_same_job(openai_client, serve_url):
     a = openai_client.videos.create(prompt="same", size="64x64", extra_headers=h, extra_body=FAST)
     b = openai_client.videos.create(prompt="same", size="64x64", extra_headers=h, extra_body=FAST)
     assert a.id == b.id
+    # the same request in another encoding (JSON, vLLM-Omni width/height) is the same canonical request
+    r = httpx.post(f"{serve_url}/v1/videos", headers=h, json={"prompt": "same", "width": 64, "height": 64,
+                                                               "num_inference_steps": 2})
+    assert r.status_code == 200 and r.json()["id"] == a.id, r.text
+    for other, extra in (({"prompt": "different", "size": "64x64"}, FAST), ({"prompt": "same", "size": "32x64"}, FAST),
+                         ({"prompt": "same", "size": "64x64"}, {"num_inference_steps": 3})):
+        with pytest.raises(openai.ConflictError) as e:
+            openai_client.videos.create(**other, extra_headers=h, extra_body=extra)
+        assert e.value.status_code == 409
+        assert e.value.body["code"] == "idempotency_key_reused" and e.value.body["param"] == "Idempotency-Key"
     assert _newest(serve_url) == a.id
     assert openai_client.videos.delete(a.id).deleted is True
 
@@ -144,34 +159,42 @@ def test_download_of_an_unfinished_job_is_409(openai_client, serve_url):
         openai_client.videos.retrieve(v.id)
 
 
-def test_unknown_id_is_404(openai_client):
-    with pytest.raises(openai.NotFoundError):
-        openai_client.videos.retrieve("video_doesnotexist")
-    with pytest.raises(openai.NotFoundError):
-        openai_client.videos.download_content("video_doesnotexist")
-    with pytest.raises(openai.NotFoundError):
+def test_unknown_id_is_404(openai_client, serve_url):
+    for call in (lambda: openai_client.videos.retrieve("video_doesnotexist"),
+                 lambda: openai_client.videos.download_content("video_doesnotexist"),
+                 lambda: openai_client.videos.delete("video_doesnotexist")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "video_not_found" and e.value.body["param"] == "video_id"
+    with pytest.raises(openai.NotFoundError) as e:
         _extend(openai_client, "video_doesnotexist", prompt="x", seconds="4")
+    assert e.value.body["code"] == "video_not_found" and e.value.body["param"] == "video"  # the request field
+    r = httpx.post(f"{serve_url}/v1/videos/extensions", data={"prompt": "on", "seconds": "4"},
+                   files={"video[id]": (None, "video_doesnotexist")})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "video", r.text
 
 
-@pytest.mark.parametrize("kwargs,status,param", [
-    ({"size": "big"}, 400, "size"),
-    ({"size": "100x64"}, 400, "size"),
-    ({"seconds": "0"}, 400, "seconds"),
-    ({"seconds": "100"}, 400, "seconds"),
-    ({"prompt": "p" * 2001}, 400, "prompt"),
-    ({"input_reference": ("x.png", b"this is not an image", "image/png")}, 415, "input_reference"),
-    ({"extra_body": {"num_frames": 8}}, 400, "num_frames"),
-    ({"extra_body": {"size": "64x64", "width": 32}}, 400, "size"),
-    ({"model": "no-such-model"}, 404, "model"),
+@pytest.mark.parametrize("kwargs,status,param,code", [
+    ({"size": "big"}, 400, "size", "invalid_size"),
+    ({"size": "100x64"}, 400, "size", "invalid_size"),
+    ({"seconds": "0"}, 400, "seconds", "invalid_duration"),
+    ({"seconds": "100"}, 400, "seconds", "invalid_duration"),
+    ({"prompt": "p" * 2001}, 400, "prompt", "prompt_too_long"),
+    ({"input_reference": ("x.png", b"this is not an image", "image/png")}, 415, "input_reference",
+     "unsupported_media_type"),
+    ({"extra_body": {"num_frames": 8}}, 400, "num_frames", "invalid_frame_count"),
+    ({"extra_body": {"size": "64x64", "width": 32}}, 400, "size", "invalid_size"),
+    ({"extra_body": {"guidance_scale": 99}}, 400, "guidance_scale", "invalid_value"),
+    ({"model": "no-such-model"}, 404, "model", "model_not_found"),
 ])
-def test_bad_input_leaves_no_job(openai_client, serve_url, kwargs, status, param):
+def test_bad_input_leaves_no_job(openai_client, serve_url, kwargs, status, param, code):
     before = _newest(serve_url)
     args = {"prompt": "a cat", "size": "64x64", **kwargs}
     with pytest.raises(openai.APIStatusError) as e:
         openai_client.videos.create(**args)
     assert e.value.status_code == status
     err = e.value.body
-    assert err["param"] == param and err["message"], err
+    assert err["param"] == param and err["code"] == code and err["message"], err
     assert _newest(serve_url) == before
 
 
@@ -179,33 +202,47 @@ def _b64_png(img) -> str:
     return "data:image/png;base64," + base64.b64encode(_png(img)).decode()
 
 
-@pytest.mark.parametrize("method,path,kw,status", [
-    ("post", "/v1/videos", {"json": {"size": "64x64"}}, 400),                                  # no prompt
-    ("post", "/v1/videos", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
-    ("post", "/v1/videos", {"json": ["a list"]}, 400),
-    ("post", "/v1/videos", {"content": b"x", "headers": {"content-type": "text/plain"}}, 415),
-    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"file_id": "file_1"}}}, 400),
-    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "http://a/b.png"}}}, 400),
+@pytest.mark.parametrize("method,path,kw,status,code", [
+    ("post", "/v1/videos", {"json": {"size": "64x64"}}, 400, "missing_required_parameter"),      # no prompt
+    ("post", "/v1/videos", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400,
+     "invalid_json"),
+    ("post", "/v1/videos", {"content": b'{"prompt": "\xff"}', "headers": {"content-type": "application/json"}}, 400,
+     "invalid_json"),                                                                             # not UTF-8
+    ("post", "/v1/videos", {"json": ["a list"]}, 400, "invalid_json"),
+    ("post", "/v1/videos", {"content": b"x", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"file_id": "file_1"}}}, 400, "invalid_value"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "http://a/b.png"}}}, 400,
+     "invalid_image_url"),
     ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "data:image/png;base64,@@"}}},
-     400),
-    ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"other": ("a.bin", b"123")}}, 400),
-    ("post", "/v1/videos", {"json": {"prompt": "x"}, "headers": {"Idempotency-Key": "k" * 300}}, 400),
-    ("post", "/v1/videos", {"json": {"prompt": "x", "sparsity": 0}}, 400),
+     400, "invalid_image_url"),
+    ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"other": ("a.bin", b"123")}}, 400, "unexpected_file"),
+    ("post", "/v1/videos", {"json": {"prompt": "x"}, "headers": {"Idempotency-Key": "k" * 300}}, 400,
+     "invalid_idempotency_key"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "sparsity": 0}}, 400, "invalid_value"),
+    ("post", "/v1/videos", {"json": {"prompt": 5}}, 400, "invalid_value"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "model": 5}}, 400, "invalid_value"),
     ("post", "/v1/videos", {"data": {"prompt": "x"},
-                            "files": {"input_reference": ("big.png", b"\0" * (8 * 2**20 + 1), "image/png")}}, 413),
+                            "files": {"input_reference": ("big.png", b"\0" * (8 * 2**20 + 1), "image/png")}}, 413,
+     "too_large"),
     ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("bomb.png", "BOMB", "image/png")}},
-     413),
-    ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400),
-    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4"}}, 400),        # no video
-    ("post", "/v1/videos/extensions", {"json": {"seconds": "4", "video": {"id": "v"}}}, 400),  # no prompt
-    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4", "video": [1]}}, 400),
+     413, "too_large"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400, "invalid_value"),
+    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4"}}, 400,
+     "missing_required_parameter"),                                                               # no video
+    ("post", "/v1/videos/extensions", {"json": {"seconds": "4", "video": {"id": "v"}}}, 400,
+     "missing_required_parameter"),                                                               # no prompt
+    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4", "video": [1]}}, 400, "invalid_value"),
     ("post", "/v1/videos/extensions", {"data": {"prompt": "x", "seconds": "4"},
-                                       "files": {"video": ("v.mp4", b"not a video", "video/mp4")}}, 415),
-    ("get", "/v1/videos?limit=0", {}, 400),
-    ("get", "/v1/videos?order=sideways", {}, 400),
-    ("get", "/v1/videos?after=video_nope", {}, 404),
+                                       "files": {"video": ("v.mp4", b"not a video", "video/mp4")}}, 415,
+     "unsupported_media_type"),
+    ("post", "/v1/videos/extensions", {"content": b'{\x00"\x00x', "headers": {"content-type": "application/json"}},
+     400, "invalid_json"),                                                                       # odd UTF-16
+    ("get", "/v1/videos?limit=0", {}, 400, "invalid_value"),
+    ("get", "/v1/videos?limit=many", {}, 400, "invalid_value"),
+    ("get", "/v1/videos?order=sideways", {}, 400, "invalid_value"),
+    ("get", "/v1/videos?after=video_nope", {}, 404, "video_not_found"),
 ])
-def test_bad_requests_over_http(serve_url, method, path, kw, status):
+def test_bad_requests_over_http(serve_url, method, path, kw, status, code):
     before = _newest(serve_url)
     files = kw.get("files", {})
     if files.get("input_reference", (None, None))[1] == "BOMB":  # 5000x4000 pixels in a small PNG
@@ -214,17 +251,93 @@ def test_bad_requests_over_http(serve_url, method, path, kw, status):
         files["input_reference"] = ("bomb.png", _png(Image.new("RGB", (5000, 4000))), "image/png")
     r = getattr(httpx, method)(f"{serve_url}{path}", timeout=30, **kw)
     assert r.status_code == status, r.text
-    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["message"], err
     assert _newest(serve_url) == before
+
+
+def _requests_counted(url, endpoint, status) -> float:
+    pat = re.compile(r'^chimera_requests_total\{(?=.*endpoint="%s")(?=.*method="POST")(?=.*status="%s").*\} (\S+)$'
+                     % (re.escape(endpoint), status), re.M)
+    return sum(float(v) for v in pat.findall(httpx.get(f"{url}/metrics").text))
+
+
+def test_invalid_utf8_body_is_a_counted_400(serve_url):
+    """Bytes that are not UTF-8 text: a clear 400 ``invalid_json``, counted as a 400 (not a 500) in /metrics."""
+    n400, n500 = _requests_counted(serve_url, "/v1/videos", 400), _requests_counted(serve_url, "/v1/videos", 500)
+    for body in (b'{"prompt": "caf\xe9"}', b'{\x00"\x00x'):  # latin-1, and what json reads as odd-length UTF-16
+        r = httpx.post(f"{serve_url}/v1/videos", content=body, headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_json", r.text
+        assert "codec" not in err["message"] and "UTF-8" in err["message"], err
+    assert _requests_counted(serve_url, "/v1/videos", 400) == n400 + 2
+    assert _requests_counted(serve_url, "/v1/videos", 500) == n500
+
+
+def _queue_gauge(url) -> float:
+    m = re.search(r"^chimera_video_queue_length (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    return float(m.group(1))
+
+
+def test_queue_length_gauge_reads_the_store(serve_url, openai_client):
+    """The gauge is the job store's count of queued + running jobs at scrape time, not the count last seen at a
+    create/delete: after jobs finish (no create/delete since), a scrape reads 0."""
+    ids = [openai_client.videos.create(prompt=f"burst {i}", size="64x64", extra_body=FAST).id for i in range(3)]
+    assert _queue_gauge(serve_url) >= 1
+    deadline = time.time() + 180
+    while time.time() < deadline:  # polled through the list (the scrape hook alone must refresh the gauge)
+        page = httpx.get(f"{serve_url}/v1/videos", params={"limit": 100}).json()["data"]
+        if not any(v["status"] in ("queued", "in_progress") for v in page):
+            break
+        time.sleep(0.3)
+    assert {v["id"]: v["status"] for v in page if v["id"] in ids} == {i: "completed" for i in ids}
+    assert all(v["phase"] is None for v in page if v["id"] in ids)
+    assert _queue_gauge(serve_url) == 0
+
+
+def test_bad_input_leaves_no_traceback_in_replica_logs(serve_url, ray_cluster):
+    """Ordinary 4xx come back from the video deployment as values: its calls log ``OK``, never an ERROR with a
+    traceback (Ray Serve logs every exception a replica method raises)."""
+    marker = f"video_marker{uuid.uuid4().hex[:12]}"
+    responses = [httpx.get(f"{serve_url}/v1/videos/{marker}"),                        # JobError in the manager
+                 httpx.post(f"{serve_url}/v1/videos", json={"prompt": "x", "size": marker}),         # RequestError
+                 httpx.post(f"{serve_url}/v1/videos/extensions",
+                            json={"prompt": "x", "seconds": "4", "video": {"id": marker}})]
+    assert [r.status_code for r in responses] == [404, 400, 404]
+    request_ids = {r.headers["x-request-id"] for r in responses}
+    logs = Path(ray_cluster._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    deadline = time.time() + 10
+    while True:
+        calls, bad = {}, []
+        for f in logs.glob("replica_chimera_video_*.log"):
+            for line in f.read_text(errors="ignore").splitlines():
+                rid = next((i for i in request_ids if i in line), None)
+                if rid is not None and " CALL " in line:
+                    calls[rid] = line
+                if marker in line or (rid is not None and ("ERROR" in line or "Traceback" in line)):
+                    bad.append(line)
+        if len(calls) == len(request_ids) or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert set(calls) == request_ids, calls  # each request reached the video replica and was logged there
+    assert all(" OK " in line for line in calls.values()), calls
+    assert not bad, bad[:5]
 
 
 def test_bad_variant_and_extension_of_unfinished(serve_url, openai_client, t2v):
     r = httpx.get(f"{serve_url}/v1/videos/{t2v.id}/content", params={"variant": "spritesheet"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "variant"
+    assert r.json()["error"]["code"] == "invalid_value"
     v = openai_client.videos.create(prompt="slow", seconds="32", size="128x128", extra_body={"num_inference_steps": 50})
     before = _newest(serve_url)
-    with pytest.raises(openai.ConflictError):
+    with pytest.raises(openai.ConflictError) as e:
         _extend(openai_client, v.id, prompt="x", seconds="4")
+    assert e.value.body["code"] == "video_not_ready" and e.value.body["param"] == "video"
+    with pytest.raises(openai.ConflictError) as e:
+        openai_client.videos.download_content(v.id)
+    assert e.value.body["code"] == "video_not_ready"
+    assert openai_client.videos.retrieve(v.id).model_extra["phase"] in ("queued", "denoising", "decoding")
     assert _newest(serve_url) == before
     openai_client.videos.delete(v.id)
 

@@ -16,15 +16,19 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 
 class MediaError(ValueError):
-    """A bad uploaded image or video. ``status_code``: 400 unreadable, 413 too large, 415 not an image/video."""
+    """A bad uploaded image or video. ``status_code``: 400 unreadable, 413 too large, 415 not an image/video.
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+    ``code`` (stable, machine-readable): ``too_large`` for 413, ``unsupported_media_type`` for 415,
+    ``invalid_media`` otherwise, unless given."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.param = param
+        self.code = code or {413: "too_large", 415: "unsupported_media_type"}.get(status_code, "invalid_media")
 
-    def __reduce__(self):  # keeps status and param when pickled across processes (Ray)
-        return (type(self), (str(self), self.status_code, self.param))
+    def __reduce__(self):  # keeps status, param and code when pickled across processes (Ray)
+        return (type(self), (str(self), self.status_code, self.param, self.code))
 
 
 def load_image(data: bytes, max_bytes: int, max_pixels: int, param: str = "input_reference") -> Image.Image:

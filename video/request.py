@@ -24,16 +24,19 @@ _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 
 
 class RequestError(ValueError):
-    """A request field is invalid; ``param`` names it (the HTTP layer answers 400)."""
+    """A request field is invalid; ``param`` names it, ``code`` is a stable machine-readable reason (the HTTP
+    layer answers 400 with both). Codes: ``invalid_value`` (default), ``invalid_size``, ``invalid_frame_count``,
+    ``invalid_duration``, ``prompt_too_long``, ``unsupported_input``."""
 
     status_code = 400
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
-    def __reduce__(self):  # keeps param when pickled across processes (Ray)
-        return (type(self), (str(self), self.param))
+    def __reduce__(self):  # keeps param and code when pickled across processes (Ray)
+        return (type(self), (str(self), self.param, self.code))
 
 
 class VideoParams(BaseModel):
@@ -105,7 +108,8 @@ class VideoRequest:
 def _first_error(err: ValidationError) -> RequestError:
     e = err.errors()[0]
     param = ".".join(str(x) for x in e["loc"]) or None
-    return RequestError(f"{param}: {e['msg']}", param)
+    code = "missing_required_parameter" if e["type"] == "missing" else "invalid_value"
+    return RequestError(f"{param}: {e['msg']}", param, code)
 
 
 def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> VideoRequest:
@@ -124,29 +128,35 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
     if not p.prompt.strip():
         raise RequestError("prompt must not be empty", "prompt")
     if len(p.prompt) > lim.max_prompt_chars:
-        raise RequestError(f"prompt is {len(p.prompt)} characters, the limit is {lim.max_prompt_chars}", "prompt")
+        raise RequestError(f"prompt is {len(p.prompt)} characters, the limit is {lim.max_prompt_chars}", "prompt",
+                           "prompt_too_long")
     if p.negative_prompt is not None and len(p.negative_prompt) > lim.max_prompt_chars:
-        raise RequestError(f"negative_prompt is over {lim.max_prompt_chars} characters", "negative_prompt")
+        raise RequestError(f"negative_prompt is over {lim.max_prompt_chars} characters", "negative_prompt",
+                           "prompt_too_long")
 
     width, height = p.width, p.height
     if p.size is not None:
         m = _SIZE.match(p.size)
         if not m:
-            raise RequestError(f"size {p.size!r} is not of the form 'WIDTHxHEIGHT' (e.g. '832x480')", "size")
+            raise RequestError(f"size {p.size!r} is not of the form 'WIDTHxHEIGHT' (e.g. '832x480')", "size",
+                               "invalid_size")
         sw, sh = int(m.group(1)), int(m.group(2))
         if (width is not None and width != sw) or (height is not None and height != sh):
-            raise RequestError(f"size {p.size!r} disagrees with width={width} height={height}", "size")
+            raise RequestError(f"size {p.size!r} disagrees with width={width} height={height}", "size",
+                               "invalid_size")
         width, height = sw, sh
     width = d.width if width is None else width
     height = d.height if height is None else height
     mult = cfg.size_multiple
     for name, v, cap in (("width", width, lim.max_width), ("height", height, lim.max_height)):
         if v <= 0 or v % mult:
-            raise RequestError(f"{name} {v} must be a positive multiple of {mult} pixels for this model", "size")
+            raise RequestError(f"{name} {v} must be a positive multiple of {mult} pixels for this model", "size",
+                               "invalid_size")
         if v > cap:
-            raise RequestError(f"{name} {v} is over the limit of {cap} pixels", "size")
+            raise RequestError(f"{name} {v} is over the limit of {cap} pixels", "size", "invalid_size")
     if width * height > lim.max_pixels:
-        raise RequestError(f"size {width}x{height} is over the limit of {lim.max_pixels} pixels", "size")
+        raise RequestError(f"size {width}x{height} is over the limit of {lim.max_pixels} pixels", "size",
+                           "invalid_size")
 
     fps = d.fps if p.fps is None else p.fps
     if not 1 <= fps <= 60:
@@ -155,21 +165,22 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
     if frames < 5 or (frames - 1) % 4:
         lo = max(5, (frames - 1) // 4 * 4 + 1)
         raise RequestError(f"num_frames {frames} is not of the form 4k+1 (Wan's VAE compresses time by 4); "
-                           f"use {lo} or {lo + 4}", "num_frames")
+                           f"use {lo} or {lo + 4}", "num_frames", "invalid_frame_count")
     if frames > lim.max_frames_per_clip:
         raise RequestError(f"num_frames {frames} is over the limit of {lim.max_frames_per_clip} per clip",
-                           "num_frames")
+                           "num_frames", "invalid_frame_count")
     if p.seconds is not None:
         if not math.isfinite(p.seconds) or p.seconds <= 0:
-            raise RequestError(f"seconds must be greater than 0 (got {p.seconds})", "seconds")
+            raise RequestError(f"seconds must be greater than 0 (got {p.seconds})", "seconds", "invalid_duration")
         if p.seconds > lim.max_seconds:
-            raise RequestError(f"seconds {p.seconds:g} is over the limit of {lim.max_seconds:g}", "seconds")
+            raise RequestError(f"seconds {p.seconds:g} is over the limit of {lim.max_seconds:g}", "seconds",
+                               "invalid_duration")
         clips = max(1, math.ceil(p.seconds * fps / (frames - 1) - 1e-9))
     else:
         clips = 1
     if clips > lim.max_clips:
         raise RequestError(f"{p.seconds:g} s at {fps} fps needs {clips} clips of {frames} frames; the limit is "
-                           f"{lim.max_clips} clips", "seconds")
+                           f"{lim.max_clips} clips", "seconds", "invalid_duration")
     steps = d.num_inference_steps if p.num_inference_steps is None else p.num_inference_steps
     if not 1 <= steps <= lim.max_steps:
         raise RequestError(f"num_inference_steps must be between 1 and {lim.max_steps}", "num_inference_steps")
@@ -180,10 +191,11 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
         raise RequestError(f"sparsity {p.sparsity} must be in (0, 1] (fraction of attention kept; 1.0 = dense)",
                            "sparsity")
     if has_image and cfg.variant == "t2v" and not cfg.i2v_model:
-        raise RequestError("this model is text-to-video only (no i2v_model configured)", "input_reference")
+        raise RequestError("this model is text-to-video only (no i2v_model configured)", "input_reference",
+                           "unsupported_input")
     if clips > 1 and cfg.variant == "t2v" and not cfg.i2v_model:
         raise RequestError("chained clips need image-to-video, which this model lacks; ask for one clip",
-                           "seconds")
+                           "seconds", "unsupported_input")
     return VideoRequest(prompt=p.prompt, negative_prompt=d.negative_prompt if p.negative_prompt is None
                         else p.negative_prompt, width=width, height=height, frames_per_clip=frames,
                         num_clips=clips, fps=fps, num_inference_steps=steps, guidance_scale=guidance,
