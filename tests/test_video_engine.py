@@ -74,6 +74,43 @@ def test_plan_rejects(cfg, fields, param, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("fields,code", [
+    ({"size": "big"}, "invalid_size"), ({"size": "1024x1024"}, "invalid_size"),
+    ({"num_frames": 10}, "invalid_frame_count"), ({"num_frames": 37}, "invalid_frame_count"),
+    ({"seconds": 0}, "invalid_duration"), ({"seconds": 33}, "invalid_duration"),
+    ({"prompt": "x" * 2001}, "prompt_too_long"), ({"sparsity": 0}, "invalid_value"),
+    ({"seconds": "abc"}, "invalid_value"), ({"prompt": None}, "invalid_value"),
+])
+def test_plan_errors_carry_a_stable_code_across_processes(cfg, fields, code):
+    import pickle
+
+    with pytest.raises(RequestError) as e:
+        plan_request(cfg, {"prompt": "a cat", **fields})
+    back = pickle.loads(pickle.dumps(e.value))  # as Ray carries it
+    assert (back.code, back.param, str(back)) == (code, e.value.param, str(e.value)) and back.status_code == 400
+    with pytest.raises(RequestError) as e:
+        plan_request(cfg, {"size": "64x64"})
+    assert (e.value.param, e.value.code) == ("prompt", "missing_required_parameter")
+
+
+def test_media_errors_carry_a_stable_code():
+    import pickle
+
+    from video.media import MediaError, decode_video, load_image
+
+    with pytest.raises(MediaError) as e:
+        load_image(b"not an image", 1000, 10**6)
+    assert (e.value.status_code, e.value.code) == (415, "unsupported_media_type")
+    with pytest.raises(MediaError) as e:
+        load_image(b"x" * 2000, 1000, 10**6)
+    assert (e.value.status_code, e.value.code) == (413, "too_large")
+    back = pickle.loads(pickle.dumps(e.value))
+    assert (back.status_code, back.code, back.param) == (413, "too_large", "input_reference")
+    with pytest.raises(MediaError) as e:
+        decode_video(b"not a video")
+    assert (e.value.status_code, e.value.code, e.value.param) == (415, "unsupported_media_type", "video")
+
+
 def test_num_frames_error_suggests_neighbours(cfg):
     with pytest.raises(RequestError, match="use 9 or 13"):
         plan_request(cfg, {"prompt": "a", "num_frames": 11})

@@ -120,6 +120,7 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     assert _wait(ray, mgr2, queued, lambda r: r["status"] not in ("queued", "in_progress"))["status"] == "completed"
     v = ray.get(mgr2.get.remote(running))
     assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
+    assert v["phase"] is None  # finished jobs report no phase
     assert ray.get(mgr2.get.remote(done))["status"] == "completed"
     frames, _ = decode_video(ray.get(mgr2.content.remote(done)))
     assert frames.shape == (9, 64, 64, 3)
@@ -127,6 +128,32 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
         ray.get(mgr2.content.remote(running))
     assert e.value.cause.status_code == 409
     ray.kill(mgr2)
+
+
+def test_idempotency_key_is_bound_to_the_request(ray_cluster, profile, model_dir, tmp_path):
+    """Same key + same canonical request -> the first job; same key + any other request -> 409
+    ``idempotency_key_reused``; nothing extra is queued. ``queue_length`` counts queued + running jobs."""
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    req = plan_request(cfg, {"prompt": "a kite", "num_inference_steps": 2}).to_dict()
+    first = ray.get(mgr.create.remote(req, idempotency_key="k1"))
+    assert first["phase"] == "queued"
+    assert ray.get(mgr.create.remote(dict(req), idempotency_key="k1"))["id"] == first["id"]
+    assert ray.get(mgr.queue_length.remote()) == 1
+    others = [((plan_request(cfg, {"prompt": "a kite", "num_inference_steps": 3}).to_dict(),), {}),
+              ((req,), {"image_png": b"\x89PNG other input"}),
+              ((req,), {"seconds_label": "8"})]
+    for args, kw in others:
+        with pytest.raises(Exception) as e:
+            ray.get(mgr.create.remote(*args, idempotency_key="k1", **kw))
+        cause = e.value.cause
+        assert (cause.status_code, cause.code, cause.param) == (409, "idempotency_key_reused", "Idempotency-Key")
+    assert [v["id"] for v in ray.get(mgr.list.remote())["data"]] == [first["id"]]
+    rec = _wait(ray, mgr, first["id"], lambda r: r["status"] not in ("queued", "in_progress"))
+    assert rec["status"] == "completed" and rec["request_hash"] is not None
+    assert ray.get(mgr.get.remote(first["id"]))["phase"] is None
+    assert ray.get(mgr.queue_length.remote()) == 0
+    ray.kill(mgr)
 
 
 def test_queue_full_is_429(ray_cluster, profile, model_dir, tmp_path):
