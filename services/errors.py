@@ -104,11 +104,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        code = None
         if exc.status_code == 404 and msg == "Not Found":
-            msg = f"no route {request.method} {request.url.path}"
+            msg, code = f"no route {request.method} {request.url.path}", "route_not_found"
         if exc.status_code == 405:
-            msg = f"method {request.method} not allowed on {request.url.path}"
-        return error_response(APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)))
+            msg, code = f"method {request.method} not allowed on {request.url.path}", "method_not_allowed"
+        return error_response(APIError(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):

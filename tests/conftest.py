@@ -30,10 +30,19 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def profile():
+def profile(tmp_path_factory):
+    """The cpu profile, with the video job store and results in a folder of this test session (so concurrent
+    test sessions never recover, or count, each other's jobs)."""
     from services.profiles import load_profile
 
-    return load_profile(os.environ.get("CHIMERA_TEST_PROFILE", "cpu"))
+    prof = load_profile(os.environ.get("CHIMERA_TEST_PROFILE", "cpu"))
+    if prof.video is not None:
+        jobs_dir = tmp_path_factory.mktemp("video-jobs")
+        jobs = prof.video.engine.jobs.model_copy(update={"store_url": f"sqlite:///{jobs_dir}/jobs.sqlite",
+                                                         "results_dir": str(jobs_dir / "results")})
+        engine = prof.video.engine.model_copy(update={"jobs": jobs})
+        prof = prof.model_copy(update={"video": prof.video.model_copy(update={"engine": engine})})
+    return prof
 
 
 @pytest.fixture(scope="session")

@@ -122,7 +122,9 @@ def test_malformed_json_and_validation_are_400(serve_url):
                        json={"messages": [{"role": "user", "content": "hi"}], field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, field
     r = httpx.get(f"{serve_url}/v1/nothing-here")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found"
+    r = httpx.delete(f"{serve_url}/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_client_timeout_header_is_stripped(serve_url):

@@ -212,7 +212,11 @@ def test_sparse_attention_request(engine, cfg):
     dense = plan_request(cfg, {"prompt": "a cat", "num_inference_steps": 4, "seed": 3, "size": "128x128"})
     eng = VideoEngine.__new__(VideoEngine)
     eng.__dict__.update(engine.__dict__)
-    eng.cfg = cfg.model_copy(update={"sparse_attention": {"compile": False, "tile": (1, 2, 2)}})
+    from video.config import SparseAttentionConfig
+
+    assert cfg.sparse_attention.sparsity == 1.0  # the cpu profile's default: dense unless a request asks
+    eng.cfg = cfg.model_copy(update={"sparse_attention": SparseAttentionConfig(sparsity=1.0, compile=False,
+                                                                               tile=(1, 2, 2))})
     a, b = eng.generate(req).frames, eng.generate(dense).frames
     assert a.shape == b.shape == (9, 3, 128, 128)
     assert torch.isfinite(a).all() and not torch.equal(a, b)  # the sparse path ran

@@ -10,9 +10,10 @@ random-weight cpu models that ``chimera prepare`` writes; GPU profiles leave it 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 
 class _Strict(BaseModel):
@@ -108,6 +109,29 @@ class VideoBuild(_Strict):
     seed: int = 0
 
 
+class SparseAttentionConfig(_Strict):
+    """Defaults of the sparse self-attention; every field can be overridden per request in `begin()`.
+
+    - `sparsity`: fraction of key blocks kept per query block, in (0, 1]; 1.0 means dense.
+    - `tile`: (t, h, w) tile shape in latent tokens (after Wan's 1x2x2 patching); its volume is the block size.
+    - `dense_fraction`: fraction of the denoising steps, from the first, that run dense (Sparse VideoGen: ~25%).
+    - `dense_layers`: indices of transformer blocks whose self-attention always runs dense.
+    - `compile`: use `torch.compile(flex_attention)` (skips masked blocks); False runs eager flex (dense compute,
+      a reference only).
+    """
+
+    sparsity: float = Field(0.125, gt=0.0, le=1.0)
+    tile: tuple[PositiveInt, PositiveInt, PositiveInt] = (2, 8, 8)
+    dense_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    dense_layers: list[int] = Field(default_factory=list)
+    compile: bool = True
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: the tile volume."""
+        return math.prod(self.tile)
+
+
 class VideoConfig(_Strict):
     """Engine config of the Wan-style video family.
 
@@ -127,7 +151,7 @@ class VideoConfig(_Strict):
     flow_shift: float = Field(5.0, gt=0)
     max_sequence_length: int = Field(512, ge=1)
     torch_threads: int | None = Field(None, ge=1)
-    sparse_attention: dict = {}
+    sparse_attention: SparseAttentionConfig = SparseAttentionConfig()
     defaults: VideoDefaults = VideoDefaults()
     limits: VideoLimits = VideoLimits()
     jobs: JobOptions = JobOptions()

@@ -107,13 +107,13 @@ class VideoEngine:
         if sparsity >= 1.0:
             yield
             return
-        from .sparse_attention import SparseAttentionConfig, sparse_attention
+        from .sparse_attention import sparse_attention
 
         transformers = [self.t2v.transformer]
         if self.i2v is not None and self.i2v.transformer is not self.t2v.transformer:
             transformers.append(self.i2v.transformer)
         with sparse_attention(transformers, sparsity=sparsity, num_inference_steps=num_inference_steps,
-                              config=SparseAttentionConfig(**self.cfg.sparse_attention)):
+                              config=self.cfg.sparse_attention):
             yield
 
     @torch.no_grad()

@@ -56,7 +56,7 @@ class VideoParams(BaseModel):
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    sparsity: float = 1.0
+    sparsity: float | None = None
     drift_correction: bool = True
 
     @field_validator("seconds", mode="before")
@@ -187,8 +187,9 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
     guidance = d.guidance_scale if p.guidance_scale is None else p.guidance_scale
     if not (math.isfinite(guidance) and 0 <= guidance <= 50):
         raise RequestError("guidance_scale must be between 0 and 50", "guidance_scale")
-    if not (0 < p.sparsity <= 1):
-        raise RequestError(f"sparsity {p.sparsity} must be in (0, 1] (fraction of attention kept; 1.0 = dense)",
+    sparsity = cfg.sparse_attention.sparsity if p.sparsity is None else p.sparsity
+    if not (0 < sparsity <= 1):
+        raise RequestError(f"sparsity {sparsity} must be in (0, 1] (fraction of attention kept; 1.0 = dense)",
                            "sparsity")
     if has_image and cfg.variant == "t2v" and not cfg.i2v_model:
         raise RequestError("this model is text-to-video only (no i2v_model configured)", "input_reference",
@@ -199,5 +200,5 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
     return VideoRequest(prompt=p.prompt, negative_prompt=d.negative_prompt if p.negative_prompt is None
                         else p.negative_prompt, width=width, height=height, frames_per_clip=frames,
                         num_clips=clips, fps=fps, num_inference_steps=steps, guidance_scale=guidance,
-                        seed=p.seed, sparsity=p.sparsity, drift_correction=p.drift_correction,
+                        seed=p.seed, sparsity=sparsity, drift_correction=p.drift_correction,
                         seconds=p.seconds)

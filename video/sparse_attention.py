@@ -51,37 +51,13 @@ from diffusers.models.transformers.transformer_wan import (
     WanAttnProcessor,
     _get_qkv_projections,
 )
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .config import SparseAttentionConfig  # noqa: F401 - defined with the profile schema, re-exported here
 
 logger = logging.getLogger(__name__)
 
 Grid = tuple[int, int, int]
-
-
-class SparseAttentionConfig(BaseModel):
-    """Defaults of the sparse self-attention; every field can be overridden per request in `begin()`.
-
-    - `sparsity`: fraction of key blocks kept per query block, in (0, 1]; 1.0 means dense.
-    - `tile`: (t, h, w) tile shape in latent tokens (after Wan's 1x2x2 patching); its volume is the block size.
-    - `dense_fraction`: fraction of the denoising steps, from the first, that run dense (Sparse VideoGen: ~25%).
-    - `dense_layers`: indices of transformer blocks whose self-attention always runs dense.
-    - `compile`: use `torch.compile(flex_attention)` (skips masked blocks); False runs eager flex (dense compute,
-      a reference only).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    sparsity: float = Field(0.125, gt=0.0, le=1.0)
-    tile: tuple[PositiveInt, PositiveInt, PositiveInt] = (2, 8, 8)
-    dense_fraction: float = Field(0.25, ge=0.0, le=1.0)
-    dense_layers: list[int] = Field(default_factory=list)
-    compile: bool = True
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block: the tile volume."""
-        return math.prod(self.tile)
 
 
 # ----------------------------------------------------------------------------------------------------------------
