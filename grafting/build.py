@@ -103,6 +103,17 @@ def build_projector(out_dir: Path, tower_dir: Path, llm_dir: Path, cfg: VLMConfi
     GraftProjector(pc).save_pretrained(out_dir)
 
 
+def _fingerprint(folder: Path) -> str:
+    """Short sha256 over the names and bytes of the files in ``folder`` (a shipped graft is a few MB)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(f.relative_to(folder).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
     """Build whatever of the cpu VLM is missing under ``model_dir``; True if anything was written.
 
@@ -123,18 +134,19 @@ def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
         wrote = True
     name = cfg.build.shipped_graft
     shipped = SHIPPED_DIR / name if name else None
-    # A marker file records which shipped graft a folder holds, so switching the profile's graft (or back to
-    # random weights) replaces stale folders instead of silently keeping them.
+    # A marker file records which shipped graft (name + content hash) a folder holds, so switching or updating
+    # the profile's graft (or going back to random weights) replaces stale folders instead of keeping them.
     for sub, d, build in (("tower", tower_dir, lambda: build_tower(tower_dir, cfg)),
                           ("projector", proj_dir, lambda: build_projector(proj_dir, tower_dir, llm_dir, cfg))):
         marker = d / SHIPPED_MARKER
+        want = f"{name} {_fingerprint(shipped / sub)}" if shipped is not None else None
         have = marker.read_text().strip() if marker.exists() else None
-        if (d / "config.json").exists() and have == name:
+        if (d / "config.json").exists() and have == want:
             continue
         shutil.rmtree(d, ignore_errors=True)
         if shipped is not None:
             shutil.copytree(shipped / sub, d)
-            marker.write_text(name)
+            marker.write_text(want)
         else:
             build()
         wrote = True
