@@ -66,6 +66,7 @@ class TowerClassifier(nn.Module):
         self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in HEADS.items()})
 
     def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Logits per head, ``{name: (B, classes)}`` float."""
         groups = self.tower(pixel_values, grid_thw=grid).pooler_output  # (N, 4, C), images in order
         per_image = (grid[:, 1] * grid[:, 2] // 4).tolist()
         pooled = torch.stack([g.mean(dim=(0, 1)) for g in groups.split(per_image)])

@@ -172,12 +172,14 @@ class GraftForTraining(nn.Module):
         self.llm_train_mode = llm_train_mode
 
     def train(self, mode: bool = True):
+        """Set train mode on the wrapper and projector; tower stays eval, the LLM too unless checkpointing."""
         super().train(mode)
         self.vlm.tower.eval()
         self.vlm.llm.train(mode and self.llm_train_mode)  # gradient checkpointing only acts in train mode
         return self
 
     def forward(self, batch: dict) -> torch.Tensor:
+        """:func:`token_loss` of the batch (float32 scalar)."""
         return token_loss(self.vlm, batch)
 
 
