@@ -240,7 +240,8 @@ def load_checkpoint_config(path: str | Path) -> GraftModelConfig:
 def train(cfg: TrainConfig, log=print) -> dict:
     """Run all stages; returns ``{"final": path, "steps": n, "last_loss": x, "seconds_per_step": s}``.
 
-    Writes ``log.csv`` (step, stage, loss, lr, tokens, seconds) and ``checkpoint-<step>/`` every
+    Writes ``log.csv`` (step, stage, loss averaged over processes, the lr the step used, labelled tokens of the
+    main process's micro-batches, seconds) and ``checkpoint-<step>/`` every
     ``save_every`` steps plus ``final/`` in ``output_dir``. Resumes from the latest checkpoint when
     ``resume: auto``. Raises ValueError for an empty stage file or a conversation over ``max_prompt_tokens``.
     """
