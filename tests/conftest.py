@@ -113,3 +113,15 @@ def data_url(img, fmt: str = "PNG") -> str:
     img.save(buf, format=fmt)
     mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def wait_for_video(client, video_id: str, timeout: float = 240):
+    """Poll ``client.videos.retrieve`` until the job leaves queued/in_progress; returns the Video object.
+    Raises AssertionError after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = client.videos.retrieve(video_id)
+        if v.status not in ("queued", "in_progress"):
+            return v
+        time.sleep(0.3)
+    raise AssertionError(f"video {video_id} still {v.status} ({v.progress}%) after {timeout} s")

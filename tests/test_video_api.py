@@ -18,19 +18,15 @@ import numpy as np
 import openai
 import pytest
 
+from tests.conftest import wait_for_video
+
 from video.media import decode_video
 
 FAST = {"num_inference_steps": 2}
 
 
 def _wait(client, video_id, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = client.videos.retrieve(video_id)
-        if v.status not in ("queued", "in_progress"):
-            return v
-        time.sleep(0.3)
-    raise AssertionError(f"{video_id} still {v.status} after {timeout} s")
+    return wait_for_video(client, video_id, timeout)
 
 
 def _frames(client, video_id):

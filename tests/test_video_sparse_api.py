@@ -1,19 +1,14 @@
 """Sparse attention through the HTTP API: `sparsity` per request (openai SDK, `extra_body`), on the served cpu profile."""
 
-import time
 
 import openai
 import pytest
 
+from tests.conftest import wait_for_video
+
 
 def _wait(client, video_id, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = client.videos.retrieve(video_id)
-        if v.status not in ("queued", "in_progress"):
-            return v
-        time.sleep(0.3)
-    raise AssertionError(f"video {video_id} still {v.status} ({v.progress}%) after {timeout} s")
+    return wait_for_video(client, video_id, timeout)
 
 
 def test_video_job_with_sparsity_completes(openai_client):
