@@ -1,7 +1,8 @@
 """Block-sparse self-attention for Wan (video/sparse_attention.py): exactness, mask invariants, pipeline wiring.
 
 Small real-architecture random-weight diffusers models (WanAttention, WanTransformer3DModel, AutoencoderKLWan);
-no mocks. Compiled flex_attention is exercised on a few shapes (a few seconds of compile each).
+no mocks. Both backends are checked: the gather backend (the CPU default) and flex_attention, compiled on a few
+shapes (a few seconds of compile each) and eager.
 """
 
 import math
@@ -18,6 +19,7 @@ from video.sparse_attention import (
     WanSparseAttnProcessor,
     SparseState,
     block_sparse_attention,
+    gathered_block_attention,
     make_block_mask,
     select_blocks,
     sparse_attention,
@@ -98,14 +100,17 @@ def test_padded_keys_are_masked():
     assert not bool(mask.mask_mod(b, b, torch.tensor(0), torch.tensor(n)))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_sparse_attention_matches_masked_sdpa(compiled):
-    """Compiled flex skips masked blocks; its output equals SDPA with the same mask expanded to tokens."""
+BACKENDS = [("gather", True), ("flex", False), ("flex", True)]  # (backend, compiled)
+
+
+@pytest.mark.parametrize("backend,compiled", BACKENDS)
+def test_sparse_attention_matches_masked_sdpa(backend, compiled):
+    """Each backend computes kept blocks only; its output equals SDPA with the same mask expanded to tokens."""
     grid, tile = (6, 9, 20), (2, 8, 8)
     n, bs = math.prod(grid), 128
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
-    out = block_sparse_attention(q, k, v, grid, 0.25, tile, compiled=compiled)
+    out = block_sparse_attention(q, k, v, grid, 0.25, tile, compiled=compiled, backend=backend)
 
     perm, inv = tile_permutation(grid, tile)
     nb = -(-n // bs)
@@ -119,13 +124,34 @@ def test_sparse_attention_matches_masked_sdpa(compiled):
     assert (out - dense).abs().max() > 1e-3  # it did drop blocks
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_full_keep_equals_dense_sdpa(compiled):
+@pytest.mark.parametrize("backend,compiled", BACKENDS)
+def test_full_keep_equals_dense_sdpa(backend, compiled):
     grid = (5, 9, 20)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, math.prod(grid), 64, generator=g) for _ in range(3))
-    out = block_sparse_attention(q, k, v, grid, 1.0, compiled=compiled)
+    out = block_sparse_attention(q, k, v, grid, 1.0, compiled=compiled, backend=backend)
     assert (out - F.scaled_dot_product_attention(q, k, v)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("grid", [(6, 9, 20), (1, 9, 20), (1, 16, 16), (21, 12, 16)])
+@pytest.mark.parametrize("sparsity", [0.125, 0.5])
+def test_gather_backend_equals_flex_on_the_same_mask(grid, sparsity):
+    """Padded last block, a single frame (every kept block is a shared first-frame block), 21 latent frames."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, math.prod(grid), 32, generator=g) for _ in range(3))
+    gather = block_sparse_attention(q, k, v, grid, sparsity, backend="gather")
+    flex = block_sparse_attention(q, k, v, grid, sparsity, backend="flex", compiled=False)
+    assert gather.shape == q.shape and gather.dtype == q.dtype
+    assert (gather - flex).abs().max() <= 1e-5
+    half = block_sparse_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), grid, sparsity, backend="gather")
+    assert half.dtype == torch.bfloat16 and (half.float() - flex).abs().max() < 0.05  # computed in fp32
+
+
+def test_gather_backend_checks_the_shared_prefix():
+    q = torch.randn(1, 1, 256, 8)
+    idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)  # row 0 does not start with block 0
+    with pytest.raises(ValueError, match="shared"):
+        gathered_block_attention(q, q, q, idx, 2, 256, 128, shared_blocks=1)
 
 
 # ---------------------------------------------------------------------------------------------------- processor
@@ -201,10 +227,11 @@ def _run(pipe):
 
 
 @torch.no_grad()
-def test_pipeline_end_to_end_full_keep_equals_dense_and_sparse_runs(tiny_pipe):
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+def test_pipeline_end_to_end_full_keep_equals_dense_and_sparse_runs(tiny_pipe, backend):
     before = dict(tiny_pipe.transformer.attn_processors)
     dense = _run(tiny_pipe)
-    cfg = SparseAttentionConfig(compile=False)
+    cfg = SparseAttentionConfig(backend=backend, compile=False)
     with sparse_attention(tiny_pipe.transformer, sparsity=1.0, num_inference_steps=4, config=cfg,
                           full_is_dense=False, dense_fraction=0.0) as state:
         full = _run(tiny_pipe)
@@ -238,10 +265,14 @@ def test_out_of_range_sparsity_is_a_value_error(sparsity):
         block_sparse_attention(*(torch.randn(1, 1, 64, 8) for _ in range(3)), (1, 8, 8), sparsity)
 
 
-def test_bad_grid_and_tile_are_value_errors():
+def test_bad_grid_tile_and_backend_are_value_errors():
     q = torch.randn(1, 1, 64, 8)
     with pytest.raises(ValueError, match="does not match"):
         block_sparse_attention(q, q, q, (2, 8, 8), 0.5)
+    with pytest.raises(ValueError, match="backend"):
+        block_sparse_attention(q, q, q, (1, 8, 8), 0.5, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        SparseAttentionConfig(backend="triton")
     with pytest.raises(ValueError):
         tile_permutation((2, 8, 8), (0, 8, 8))
     with pytest.raises(ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
@@ -116,14 +117,17 @@ class SparseAttentionConfig(_Strict):
     - `tile`: (t, h, w) tile shape in latent tokens (after Wan's 1x2x2 patching); its volume is the block size.
     - `dense_fraction`: fraction of the denoising steps, from the first, that run dense (Sparse VideoGen: ~25%).
     - `dense_layers`: indices of transformer blocks whose self-attention always runs dense.
-    - `compile`: use `torch.compile(flex_attention)` (skips masked blocks); False runs eager flex (dense compute,
-      a reference only).
+    - `backend`: "flex" (`flex_attention` with a `BlockMask`), "gather" (kept key/value blocks gathered, batched
+      BLAS GEMMs; faster on CPU) or "auto" (flex on CUDA, gather elsewhere).
+    - `compile`: for the flex backend, use `torch.compile(flex_attention)` (skips masked blocks); False runs eager
+      flex (dense compute, a reference only).
     """
 
     sparsity: float = Field(0.125, gt=0.0, le=1.0)
     tile: tuple[PositiveInt, PositiveInt, PositiveInt] = (2, 8, 8)
     dense_fraction: float = Field(0.25, ge=0.0, le=1.0)
     dense_layers: list[int] = Field(default_factory=list)
+    backend: Literal["auto", "flex", "gather"] = "auto"
     compile: bool = True
 
     @property

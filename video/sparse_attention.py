@@ -10,8 +10,13 @@ What it does, per self-attention call of a denoising step:
    block, per head. Kept: the top-k key blocks (k = round(sparsity * blocks)), plus always the diagonal block
    (the query's own neighbourhood) and every block holding the first latent frame (Wan's VAE gives the first
    latent frame to one pixel frame; every later frame attends to it heavily -- an "attention sink").
-3. `torch.nn.attention.flex_attention` runs with that `BlockMask`. Compiled (`torch.compile`), it skips masked
-   blocks on CPU and GPU alike; eager flex computes densely and is only a reference. No CUDA-only code.
+3. Attention over the kept blocks only, by one of two backends with the same mask and result:
+   - "flex": `torch.nn.attention.flex_attention` with that `BlockMask`. Compiled (`torch.compile`), it skips
+     masked blocks on CPU and GPU alike (on GPU a Triton kernel); eager flex computes densely, a reference only.
+   - "gather": per query block, its kept key/value blocks are gathered into one buffer and attention runs as
+     batched BLAS GEMMs (`gathered_block_attention`). On CPU this is ~1.4x faster than compiled flex, whose CPU
+     template multiplies fp32 tiles with a 1x16 register micro-kernel.
+   "auto" (default) picks flex on CUDA and gather elsewhere. No CUDA-only code either way.
 4. The output is permuted back to frame-major order. Cross-attention (`encoder_hidden_states` given), the first
    `dense_fraction` of denoising steps, and `dense_layers` run diffusers' dense processor unchanged.
 
@@ -212,6 +217,106 @@ def _flex(compiled: bool):
     return _compiled_flex
 
 
+def gathered_block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    indices: torch.Tensor,
+    n_keep: int,
+    seq_len: int,
+    block_size: int,
+    shared_blocks: int = 0,
+    budget_bytes: int = 8 << 20,
+) -> torch.Tensor:
+    """Block-sparse attention by gathering each query block's kept key/value blocks and running batched GEMMs.
+
+    The CPU backend. Per query block (for a group of heads at once): gather its kept K and V blocks into one
+    contiguous buffer (`index_select`), scores = Q_blk @ K_kept^T (`bmm`, i.e. the BLAS GEMM), a softmax with the
+    max subtracted, out = P @ V_kept, normalised after the product as in FlashAttention (Dao et al. 2022). The
+    `shared_blocks` leading key blocks that every row keeps (the first latent frame) are not gathered: they are
+    read in place as one strided operand. Work is the kept blocks only, like compiled flex_attention, but on
+    CPU the GEMMs run at BLAS speed (inductor's CPU flex template uses a 1x16 fp32 micro-kernel).
+
+    Args:
+        query, key, value: [B, H, S_pad, D] tile-permuted, padded to S_pad = n_blocks * block_size; float32
+            (other dtypes are computed in float32 and cast back).
+        indices: int [B, H, n_blocks, >= n_keep] from `select_blocks`; the first `n_keep` per row are the kept key
+            blocks in ascending order.
+        n_keep: kept blocks per row.
+        seq_len: real tokens; keys at positions >= seq_len are masked, queries there are computed but meaningless.
+        block_size: tokens per block.
+        shared_blocks: leading kept entries equal to 0, 1, ..., shared_blocks - 1 in every row (checked).
+        budget_bytes: rough size of one step's working set (gathered K/V and scores); sets how many heads are
+            batched per step.
+
+    Returns:
+        [B, H, S_pad, D] in the dtype of `query`; softmax scale 1/sqrt(D).
+
+    Raises:
+        ValueError: if the first `shared_blocks` kept entries are not 0..shared_blocks-1 in every row.
+    """
+    B, H, S_pad, D = query.shape
+    Dv = value.shape[-1]
+    nb, bs, BH = S_pad // block_size, block_size, B * H
+    dtype = query.dtype
+    q, scale = query.float().reshape(BH, nb, bs, D), D**-0.5
+    k = key.float().reshape(BH, S_pad, D)
+    v = value.float().reshape(BH, S_pad, Dv)
+    idx = indices[..., :n_keep].reshape(BH, nb, n_keep).long()
+    shared_blocks = min(shared_blocks, n_keep)
+    if shared_blocks and not bool((idx[..., :shared_blocks] == torch.arange(shared_blocks, device=idx.device)).all()):
+        raise ValueError(f"the first {shared_blocks} kept blocks are not shared by every row")
+    n_var = n_keep - shared_blocks
+    # Rows of the gathered (variable) part, as indices into [BH * nb] blocks; step-major for one slice per step.
+    var_idx = (idx[..., shared_blocks:] + nb * torch.arange(BH, device=idx.device)[:, None, None]).transpose(0, 1)
+    pad = S_pad - seq_len
+    k_blocks, v_blocks = k.reshape(BH * nb, bs, D), v.reshape(BH * nb, bs, Dv)
+    out = torch.empty(BH, nb, bs, Dv, device=q.device)
+
+    per_head = 4 * (n_var * bs * (D + Dv) + bs * n_keep * bs)
+    group = max(1, min(BH, budget_bytes // max(per_head, 1)))
+    for h0 in range(0, BH, group):
+        h1 = min(BH, h0 + group)
+        g = h1 - h0
+        k_shared, v_shared = k[h0:h1, : shared_blocks * bs], v[h0:h1, : shared_blocks * bs]
+        s_shared = torch.empty(g, bs, shared_blocks * bs, device=q.device)
+        s_var = torch.empty(g, bs, n_var * bs, device=q.device)
+        k_var = torch.empty(g * n_var, bs, D, device=q.device)
+        v_var = torch.empty(g * n_var, bs, Dv, device=q.device)
+        row_max, row_sum = torch.empty(g, bs, 1, device=q.device), torch.empty(g, bs, 1, device=q.device)
+        tail_cols = s_var.view(g, bs, n_var, bs)[..., -1, bs - pad:] if (pad and n_var) else None
+        for blk in range(nb):
+            q_blk, o_blk = q[h0:h1, blk], out[h0:h1, blk]
+            rows = var_idx[blk, h0:h1]  # [g, n_var]
+            if shared_blocks:
+                torch.baddbmm(s_shared, q_blk, k_shared.transpose(1, 2), beta=0.0, alpha=scale, out=s_shared)
+                if shared_blocks * bs > seq_len:
+                    s_shared[..., seq_len:] = float("-inf")
+            if n_var:
+                flat = rows.reshape(-1)
+                torch.index_select(k_blocks, 0, flat, out=k_var)
+                torch.index_select(v_blocks, 0, flat, out=v_var)
+                torch.baddbmm(s_var, q_blk, k_var.view(g, n_var * bs, D).transpose(1, 2), beta=0.0, alpha=scale,
+                              out=s_var)
+                if tail_cols is not None:  # the last (padded) block, when kept, is the last entry of a row
+                    tail_cols.masked_fill_((rows[:, -1] % nb == nb - 1)[:, None, None], float("-inf"))
+            parts = [(s, vv) for s, vv, n in ((s_shared, v_shared, shared_blocks), (s_var, v_var, n_var)) if n]
+            torch.amax(parts[0][0], -1, keepdim=True, out=row_max)
+            for s, _ in parts[1:]:
+                row_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+            row_sum.zero_()
+            for i, (s, vv) in enumerate(parts):
+                s.sub_(row_max).exp_()
+                row_sum += s.sum(-1, keepdim=True)
+                vv = vv.view(g, -1, Dv)
+                if i == 0:
+                    torch.bmm(s, vv, out=o_blk)
+                else:
+                    o_blk.baddbmm_(s, vv)
+            o_blk.div_(row_sum)
+    return out.view(B, H, S_pad, Dv).to(dtype)
+
+
 def block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -220,6 +325,7 @@ def block_sparse_attention(
     sparsity: float,
     tile: Grid = (2, 8, 8),
     compiled: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Self-attention over the tile-permuted block-sparse mask; drop-in for `F.scaled_dot_product_attention`.
 
@@ -228,14 +334,22 @@ def block_sparse_attention(
         grid: (frames, height, width) of the latent token grid.
         sparsity: kept fraction of key blocks in (0, 1]; 1.0 computes every block (equals dense attention).
         tile: (t, h, w) tile shape; its volume is the block size.
-        compiled: compiled flex_attention (skips masked blocks) or eager flex (dense compute, reference).
+        compiled: for the flex backend: compiled flex_attention (skips masked blocks) or eager flex (dense
+            compute, a reference).
+        backend: "flex" (`flex_attention` with a `BlockMask`), "gather" (`gathered_block_attention`: gathered
+            kept blocks and batched GEMMs), or "auto": flex on CUDA, gather elsewhere. Same mask, same result
+            to float rounding.
 
     Returns:
         [B, H, N, D] attention output, frame-major, dtype of `query`. Softmax scale 1/sqrt(D).
 
     Raises:
-        ValueError: if N != prod(grid) or `sparsity` is outside (0, 1].
+        ValueError: if N != prod(grid), `sparsity` is outside (0, 1], or `backend` is unknown.
     """
+    if backend == "auto":
+        backend = "flex" if query.is_cuda else "gather"
+    if backend not in ("flex", "gather"):
+        raise ValueError(f"unknown sparse attention backend {backend!r} (auto, flex or gather)")
     B, H, N, D = query.shape
     if N != math.prod(grid):
         raise ValueError(f"sequence length {N} does not match the latent grid {grid}")
@@ -248,8 +362,11 @@ def block_sparse_attention(
     first_frame_blocks = -(-(grid[1] * grid[2]) // block_size)  # frame 0 is tiled first: blocks [0, this)
     forced_cols = torch.arange(nb, device=query.device) < first_frame_blocks
     indices, n_keep = select_blocks(q, k, N, block_size, sparsity, forced_cols)
-    mask = make_block_mask(indices, n_keep, N, block_size)
-    out = _flex(compiled)(q, k, v, block_mask=mask)
+    if backend == "gather":
+        out = gathered_block_attention(q, k, v, indices, n_keep, N, block_size, shared_blocks=first_frame_blocks)
+    else:
+        mask = make_block_mask(indices, n_keep, N, block_size)
+        out = _flex(compiled)(q, k, v, block_mask=mask)
     return out[:, :, :N].index_select(2, inv)
 
 
@@ -346,6 +463,7 @@ class WanSparseAttnProcessor(WanAttnProcessor):
         out = block_sparse_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             grid=state.grid, sparsity=state.sparsity, tile=state.tile, compiled=state.config.compile,
+            backend=state.config.backend,
         )
         state.sparse_calls += 1
         hidden_states = out.transpose(1, 2).flatten(2, 3).type_as(query)
@@ -448,6 +566,7 @@ class WanSparseAttention:
             tile=cfg.tile if tile is None else tuple(tile),
             dense_fraction=cfg.dense_fraction if dense_fraction is None else dense_fraction,
             dense_layers=cfg.dense_layers if dense_layers is None else list(dense_layers),
+            backend=cfg.backend,
             compile=cfg.compile,
         )
         s = self.state
