@@ -3,10 +3,12 @@
 For growing latent grids of an 81-frame Wan clip (21 latent frames; 4k, 8k, 16k tokens on the CPU, Wan2.1's
 21 x 30 x 52 = 32,760 with --gpu-sizes), with Wan's 128-dim heads:
 - time of `F.scaled_dot_product_attention` vs `block_sparse_attention` (tile permutation + pooled top-k block
-  selection + compiled flex_attention + inverse permutation, all included) at keep 0.125, and the ratio;
+  selection + block-sparse attention + inverse permutation, all included) at keep 0.125, and the ratio, for each
+  backend: compiled flex_attention ("flex", the CUDA default) and gathered blocks with batched GEMMs ("gather",
+  the CPU default; skipped on CUDA unless asked for with --backends);
 - the fitted growth exponent of each (time ~ tokens^p): dense ~2; sparse at a fixed kept *fraction* is still
   quadratic (kept blocks per row grow with length), so a fixed kept *budget* (2048 keys per query, = 0.125 at 16k)
-  is timed too: that one grows ~linearly;
+  is timed too (default backend of the device): that one grows ~linearly;
 - relative error ||sparse - dense|| / ||dense|| at keep 0.125 / 0.25 / 0.5 on attention inputs with real
   spatio-temporal structure: scikit-image's `no_time_for_that_tiny.gif` clip resampled to the latent grid,
   through a seeded random 3x3x3 conv (local features) and q/k/v projections with RMS norm and Wan's 3-D RoPE
@@ -109,38 +111,45 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=0.125)
     ap.add_argument("--budget", type=int, default=2048, help="kept keys per query for the fixed-budget series")
     ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
+    ap.add_argument("--backends", default=None, help="comma-separated: flex,gather (CPU default), flex (CUDA)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     grids = GPU_GRIDS if args.gpu_sizes else CPU_GRIDS
+    backends = (args.backends or ("flex" if device.type == "cuda" else "flex,gather")).split(",")
+    default = "flex" if device.type == "cuda" else "gather"
     print(f"torch {torch.__version__}, device {device}, {dtype}, {args.heads} heads x {args.head_dim}, "
-          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}")
-    print(f"{'tokens':>7} {'grid':>12} {'dense ms':>10} {'sparse ms':>10} {'ratio':>6}   "
-          f"{'budget keep':>11} {'budget ms':>10} {'ratio':>6}")
-    sizes, t_dense, t_sparse, t_budget, last = [], [], [], [], None
+          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}; "
+          f"ratio = dense time / sparse time")
+    header = f"{'tokens':>7} {'grid':>12} {'dense ms':>9}"
+    for b in backends:
+        header += f" {b + ' ms':>10} {'ratio':>6}"
+    print(header + f"   {'budget keep':>11} {'budget ms':>10} {'ratio':>6}")
+    sizes, times, last = [], {}, None
     for grid in grids:
         n = math.prod(grid)
         q, k, v = clip_features(grid, args.heads, args.head_dim, device, dtype)
         budget_keep = min(1.0, args.budget / n)
-        t = timed({
-            "dense": lambda: F.scaled_dot_product_attention(q, k, v),
-            "sparse": lambda: block_sparse_attention(q, k, v, grid, args.keep),
-            "budget": lambda: block_sparse_attention(q, k, v, grid, budget_keep),
-        }, args.repeats, device)
-        td, ts, tb = t["dense"], t["sparse"], t["budget"]
+        fns = {"dense": lambda: F.scaled_dot_product_attention(q, k, v)}
+        for b in backends:
+            fns[b] = lambda b=b: block_sparse_attention(q, k, v, grid, args.keep, backend=b)
+        fns["budget"] = lambda: block_sparse_attention(q, k, v, grid, budget_keep)
+        t = timed(fns, args.repeats, device)
         sizes.append(n)
-        t_dense.append(td)
-        t_sparse.append(ts)
-        t_budget.append(tb)
-        print(f"{n:>7} {'x'.join(map(str, grid)):>12} {td * 1e3:>10.1f} {ts * 1e3:>10.1f} {td / ts:>5.2f}x   "
-              f"{budget_keep:>11.3f} {tb * 1e3:>10.1f} {td / tb:>5.2f}x", flush=True)
+        for name, seconds in t.items():
+            times.setdefault(name, []).append(seconds)
+        line = f"{n:>7} {'x'.join(map(str, grid)):>12} {t['dense'] * 1e3:>9.1f}"
+        for b in backends:
+            line += f" {t[b] * 1e3:>10.1f} {t['dense'] / t[b]:>5.2f}x"
+        print(line + f"   {budget_keep:>11.3f} {t['budget'] * 1e3:>10.1f} {t['dense'] / t['budget']:>5.2f}x",
+              flush=True)
         last = (grid, q, k, v)
 
-    print(f"growth exponent (time ~ tokens^p): dense {slope(sizes, t_dense):.2f}, "
-          f"sparse keep {args.keep} {slope(sizes, t_sparse):.2f}, "
-          f"sparse fixed budget {args.budget} keys {slope(sizes, t_budget):.2f}")
+    exps = ", ".join(f"sparse keep {args.keep} {b} {slope(sizes, times[b]):.2f}" for b in backends)
+    print(f"growth exponent (time ~ tokens^p): dense {slope(sizes, times['dense']):.2f}, {exps}, "
+          f"sparse fixed budget {args.budget} keys ({default}) {slope(sizes, times['budget']):.2f}")
 
     grid, q, k, v = last
     n = math.prod(grid)
