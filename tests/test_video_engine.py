@@ -205,21 +205,26 @@ def test_text_and_image_to_video(engine, cfg, photo):
 
 
 def test_sparse_attention_request(engine, cfg):
-    from video.engine import VideoEngine
-
     req = plan_request(cfg, {"prompt": "a cat", "num_inference_steps": 4, "seed": 3, "size": "128x128",
                              "sparsity": 0.5})
     dense = plan_request(cfg, {"prompt": "a cat", "num_inference_steps": 4, "seed": 3, "size": "128x128"})
-    eng = VideoEngine.__new__(VideoEngine)
-    eng.__dict__.update(engine.__dict__)
-    from video.config import SparseAttentionConfig
-
+    eng = engine
     assert cfg.sparse_attention.sparsity == 1.0  # the cpu profile's default: dense unless a request asks
-    eng.cfg = cfg.model_copy(update={"sparse_attention": SparseAttentionConfig(sparsity=1.0, compile=False,
-                                                                               tile=(1, 2, 2))})
+    assert cfg.sparse_attention.tile == (1, 2, 2)  # small tiles, so that the small cpu latent grids have blocks
     a, b = eng.generate(req).frames, eng.generate(dense).frames
     assert a.shape == b.shape == (9, 3, 128, 128)
     assert torch.isfinite(a).all() and not torch.equal(a, b)  # the sparse path ran
+
+    # What ran, per call: 128x128 px, 9 frames -> latent grid 3 x 4 x 4 = 48 tokens = 12 blocks of 4; keep 0.5 ->
+    # 6 blocks per row; 1 of 4 steps dense; 2 layers; guidance off: one call per step and layer.
+    from video.sparse_attention import sparse_attention
+
+    with sparse_attention(eng.t2v.transformer, sparsity=0.5, num_inference_steps=4,
+                          config=cfg.sparse_attention) as state:
+        eng.t2v(prompt_embeds=eng.encode_prompt("a cat", None, 1.0)[0], height=128, width=128, num_frames=9,
+                num_inference_steps=4, guidance_scale=1.0, output_type="latent")
+        assert state.grid == (3, 4, 4)
+        assert state.dense_calls == 1 * 2 and state.sparse_calls == 3 * 2
     # processors are dense again afterwards
     assert type(next(iter(engine.t2v.transformer.attn_processors.values()))).__name__ == "WanAttnProcessor"
 
