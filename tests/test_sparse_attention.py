@@ -147,6 +147,32 @@ def test_gather_backend_equals_flex_on_the_same_mask(grid, sparsity):
     assert half.dtype == torch.bfloat16 and (half.float() - flex).abs().max() < 0.05  # computed in fp32
 
 
+def test_gather_backend_groups_heads_and_takes_another_value_dim():
+    """A tiny working-set budget splits 6 heads into groups of one; value head dim 48 != query head dim 16."""
+    n, bs = 1000, 128  # 8 blocks, 24 padded positions
+    nb = -(-n // bs)
+    g = torch.Generator().manual_seed(5)
+    q, k = (F.pad(torch.randn(2, 3, n, 16, generator=g), (0, 0, 0, nb * bs - n)) for _ in range(2))
+    v = F.pad(torch.randn(2, 3, n, 48, generator=g), (0, 0, 0, nb * bs - n))
+    idx, n_keep = select_blocks(q, k, n, bs, 0.5, torch.arange(nb) < 2)
+    blocks = make_block_mask(idx, n_keep, n, bs).to_dense().bool()
+    token_mask = blocks.repeat_interleave(bs, -2).repeat_interleave(bs, -1)[..., :n, :n]
+    ref = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], attn_mask=token_mask)
+    for budget in (1, 8 << 20):
+        out = gathered_block_attention(q, k, v, idx, n_keep, n, bs, shared_blocks=2, budget_bytes=budget)
+        assert out.shape == (2, 3, nb * bs, 48)
+        assert (out[:, :, :n] - ref).abs().max() <= 1e-5
+
+
+def test_gather_backend_rejects_a_block_or_more_of_padding():
+    q = torch.randn(1, 1, 512, 8)
+    idx = torch.arange(4, dtype=torch.int32).expand(1, 1, 4, 4).contiguous()
+    with pytest.raises(ValueError, match="padding"):
+        gathered_block_attention(q, q, q, idx, 4, 200, 128)  # 312 padded positions: more than a block
+    with pytest.raises(ValueError, match="whole blocks"):
+        gathered_block_attention(q[:, :, :500], q[:, :, :500], q[:, :, :500], idx, 4, 500, 128)
+
+
 def test_gather_backend_checks_the_shared_prefix():
     q = torch.randn(1, 1, 256, 8)
     idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)  # row 0 does not start with block 0
@@ -263,6 +289,25 @@ def test_out_of_range_sparsity_is_a_value_error(sparsity):
     assert all(type(p) is WanAttnProcessor for p in transformer.attn_processors.values())
     with pytest.raises(ValueError):
         block_sparse_attention(*(torch.randn(1, 1, 64, 8) for _ in range(3)), (1, 8, 8), sparsity)
+
+
+@torch.no_grad()
+def test_backend_can_be_chosen_per_call():
+    grid = (3, 8, 8)  # 192 tokens
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1).eval()
+    x = torch.randn(1, 16, grid[0], 2 * grid[1], 2 * grid[2], generator=torch.Generator().manual_seed(6))
+    ctx, t = torch.randn(1, 8, 32), torch.tensor([500.0])
+    outs = {}
+    for backend in ("gather", "flex"):
+        with sparse_attention(transformer, sparsity=0.5, backend=backend, compile=False, tile=(1, 4, 4)) as state:
+            outs[backend] = transformer(x, t, ctx).sample
+            assert state.backend == backend and state.sparse_calls == 1 and state.grid == grid
+    assert (outs["gather"] - outs["flex"]).abs().max() <= 1e-5
+    with pytest.raises(ValueError):
+        with sparse_attention(transformer, sparsity=0.5, backend="triton"):
+            pass
 
 
 def test_bad_grid_tile_and_backend_are_value_errors():

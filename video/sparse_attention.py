@@ -238,8 +238,9 @@ def gathered_block_attention(
     CPU the GEMMs run at BLAS speed (inductor's CPU flex template uses a 1x16 fp32 micro-kernel).
 
     Args:
-        query, key, value: [B, H, S_pad, D] tile-permuted, padded to S_pad = n_blocks * block_size; float32
-            (other dtypes are computed in float32 and cast back).
+        query, key: [B, H, S_pad, D], value: [B, H, S_pad, Dv]; tile-permuted, padded to S_pad = n_blocks *
+            block_size (less than one block of padding); float32 (other dtypes are computed in float32 and cast
+            back).
         indices: int [B, H, n_blocks, >= n_keep] from `select_blocks`; the first `n_keep` per row are the kept key
             blocks in ascending order.
         n_keep: kept blocks per row.
@@ -250,13 +251,18 @@ def gathered_block_attention(
             batched per step.
 
     Returns:
-        [B, H, S_pad, D] in the dtype of `query`; softmax scale 1/sqrt(D).
+        [B, H, S_pad, Dv] in the dtype of `query`; softmax scale 1/sqrt(D) (the query's head dim).
 
     Raises:
-        ValueError: if the first `shared_blocks` kept entries are not 0..shared_blocks-1 in every row.
+        ValueError: if S_pad is not a whole number of blocks, the padding is a block or more
+            (S_pad - seq_len >= block_size), or the first `shared_blocks` kept entries are not 0..shared_blocks-1
+            in every row.
     """
     B, H, S_pad, D = query.shape
     Dv = value.shape[-1]
+    if S_pad % block_size or not 0 <= S_pad - seq_len < block_size:
+        raise ValueError(f"padded length {S_pad} must be whole blocks of {block_size} with less than one block of "
+                         f"padding after {seq_len} tokens")
     nb, bs, BH = S_pad // block_size, block_size, B * H
     dtype = query.dtype
     q, scale = query.float().reshape(BH, nb, bs, D), D**-0.5
@@ -271,7 +277,8 @@ def gathered_block_attention(
     var_idx = (idx[..., shared_blocks:] + nb * torch.arange(BH, device=idx.device)[:, None, None]).transpose(0, 1)
     pad = S_pad - seq_len
     k_blocks, v_blocks = k.reshape(BH * nb, bs, D), v.reshape(BH * nb, bs, Dv)
-    out = torch.empty(BH, nb, bs, Dv, device=q.device)
+    f32 = {"dtype": torch.float32, "device": q.device}
+    out = torch.empty(BH, nb, bs, Dv, **f32)
 
     per_head = 4 * (n_var * bs * (D + Dv) + bs * n_keep * bs)
     group = max(1, min(BH, budget_bytes // max(per_head, 1)))
@@ -279,11 +286,11 @@ def gathered_block_attention(
         h1 = min(BH, h0 + group)
         g = h1 - h0
         k_shared, v_shared = k[h0:h1, : shared_blocks * bs], v[h0:h1, : shared_blocks * bs]
-        s_shared = torch.empty(g, bs, shared_blocks * bs, device=q.device)
-        s_var = torch.empty(g, bs, n_var * bs, device=q.device)
-        k_var = torch.empty(g * n_var, bs, D, device=q.device)
-        v_var = torch.empty(g * n_var, bs, Dv, device=q.device)
-        row_max, row_sum = torch.empty(g, bs, 1, device=q.device), torch.empty(g, bs, 1, device=q.device)
+        s_shared = torch.empty(g, bs, shared_blocks * bs, **f32)
+        s_var = torch.empty(g, bs, n_var * bs, **f32)
+        k_var = torch.empty(g * n_var, bs, D, **f32)
+        v_var = torch.empty(g * n_var, bs, Dv, **f32)
+        row_max, row_sum = torch.empty(g, bs, 1, **f32), torch.empty(g, bs, 1, **f32)
         tail_cols = s_var.view(g, bs, n_var, bs)[..., -1, bs - pad:] if (pad and n_var) else None
         for blk in range(nb):
             q_blk, o_blk = q[h0:h1, blk], out[h0:h1, blk]
@@ -344,7 +351,8 @@ def block_sparse_attention(
         [B, H, N, D] attention output, frame-major, dtype of `query`. Softmax scale 1/sqrt(D).
 
     Raises:
-        ValueError: if N != prod(grid), `sparsity` is outside (0, 1], or `backend` is unknown.
+        ValueError: if N != prod(grid), `sparsity` is outside (0, 1], a tile dimension is not positive, or
+            `backend` is unknown.
     """
     if backend == "auto":
         backend = "flex" if query.is_cuda else "gather"
@@ -388,6 +396,8 @@ class SparseState:
     tile: Grid = (2, 8, 8)
     dense_steps: int = 0
     dense_layers: frozenset[int] = frozenset()
+    backend: str = "auto"
+    compiled: bool = True
     grid: Grid | None = None
     step: int = -1
     last_timestep: float | None = None
@@ -462,8 +472,8 @@ class WanSparseAttnProcessor(WanAttnProcessor):
 
         out = block_sparse_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            grid=state.grid, sparsity=state.sparsity, tile=state.tile, compiled=state.config.compile,
-            backend=state.config.backend,
+            grid=state.grid, sparsity=state.sparsity, tile=state.tile, compiled=state.compiled,
+            backend=state.backend,
         )
         state.sparse_calls += 1
         hidden_states = out.transpose(1, 2).flatten(2, 3).type_as(query)
@@ -546,6 +556,8 @@ class WanSparseAttention:
         tile: Grid | None = None,
         dense_fraction: float | None = None,
         dense_layers: list[int] | None = None,
+        backend: str | None = None,
+        compile: bool | None = None,
         full_is_dense: bool = True,
     ) -> None:
         """Start a generation with per-request options (None = the config's default).
@@ -554,8 +566,8 @@ class WanSparseAttention:
             num_inference_steps: denoising steps of this generation; the first
                 round(dense_fraction * num_inference_steps) run dense. None: no dense warm-up.
             sparsity: kept fraction in (0, 1]. With `full_is_dense` (default), 1.0 runs diffusers' dense path;
-                False routes 1.0 through flex_attention with every block kept (exactness checks).
-            tile, dense_fraction, dense_layers: as in `SparseAttentionConfig`.
+                False routes 1.0 through the sparse backend with every block kept (exactness checks).
+            tile, dense_fraction, dense_layers, backend, compile: as in `SparseAttentionConfig`.
 
         Raises:
             ValueError: on an out-of-range option (pydantic validation of the merged config).
@@ -566,14 +578,15 @@ class WanSparseAttention:
             tile=cfg.tile if tile is None else tuple(tile),
             dense_fraction=cfg.dense_fraction if dense_fraction is None else dense_fraction,
             dense_layers=cfg.dense_layers if dense_layers is None else list(dense_layers),
-            backend=cfg.backend,
-            compile=cfg.compile,
+            backend=cfg.backend if backend is None else backend,
+            compile=cfg.compile if compile is None else compile,
         )
         s = self.state
         s.sparsity = None if (merged.sparsity >= 1.0 and full_is_dense) else merged.sparsity
         s.tile = merged.tile
         s.dense_steps = round(merged.dense_fraction * num_inference_steps) if num_inference_steps else 0
         s.dense_layers = frozenset(merged.dense_layers)
+        s.backend, s.compiled = merged.backend, merged.compile
         s.step, s.last_timestep, s.grid = -1, None, None
         s.sparse_calls = s.dense_calls = 0
 
