@@ -572,15 +572,10 @@ class WanSparseAttention:
         Raises:
             ValueError: on an out-of-range option (pydantic validation of the merged config).
         """
-        cfg = self.state.config
-        merged = SparseAttentionConfig(
-            sparsity=cfg.sparsity if sparsity is None else sparsity,
-            tile=cfg.tile if tile is None else tuple(tile),
-            dense_fraction=cfg.dense_fraction if dense_fraction is None else dense_fraction,
-            dense_layers=cfg.dense_layers if dense_layers is None else list(dense_layers),
-            backend=cfg.backend if backend is None else backend,
-            compile=cfg.compile if compile is None else compile,
-        )
+        overrides = dict(sparsity=sparsity, tile=tile, dense_fraction=dense_fraction, dense_layers=dense_layers,
+                         backend=backend, compile=compile)
+        merged = SparseAttentionConfig(**{**self.state.config.model_dump(),
+                                          **{k: v for k, v in overrides.items() if v is not None}})
         s = self.state
         s.sparsity = None if (merged.sparsity >= 1.0 and full_is_dense) else merged.sparsity
         s.tile = merged.tile
