@@ -7,7 +7,9 @@ GPU profiles leave it out and point at real checkpoints.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
@@ -58,6 +60,38 @@ class CpuBuild(_Strict):
     seed: int = 0
 
 
+class ImageCacheConfig(_Strict):
+    """Image-embedding cache of one engine (``grafting.image_cache``): projected features of recent images,
+    keyed by the content of the tower input, least recently used evicted first beyond ``max_bytes`` (bytes of
+    the stored feature tensors). ``enabled: false`` runs tower and projector on every image."""
+
+    enabled: bool = True
+    max_bytes: int = Field(256 * 1024 * 1024, gt=0)
+
+
+class CollapseGuardConfig(_Strict):
+    """Text collapse guard of chat (``grafting.collapse_guard``): when one token comes ``min_run`` or more times
+    in a row, the answer is rolled back to the run's first token and resumed once (``max_retries``) with another
+    seed and ``repetition_penalty`` raised by ``penalty_step``; if it collapses again it ends there.
+    Tokens whose text (stripped of spaces) fully matches ``exempt_regex`` never count: by default whitespace,
+    punctuation and digits, so table rules (``|---|``), indentation, ``....`` and ``10000`` are legitimate."""
+
+    enabled: bool = True
+    min_run: int = Field(4, ge=2)
+    max_retries: int = Field(1, ge=0, le=4)
+    penalty_step: float = Field(0.3, gt=0, le=2.0)
+    exempt_regex: str = r"[\s\d\W_]*"
+
+    @field_validator("exempt_regex")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as err:
+            raise ValueError(f"not a valid regular expression: {err}") from None
+        return v
+
+
 class VLMConfig(_Strict):
     """Engine config of the grafted VLM.
 
@@ -85,4 +119,6 @@ class VLMConfig(_Strict):
     default_max_new_tokens: int = Field(256, gt=0)
     max_batch_size: int = Field(8, ge=1)
     limits: ImageLimits = ImageLimits()
+    image_cache: ImageCacheConfig = ImageCacheConfig()
+    collapse_guard: CollapseGuardConfig = CollapseGuardConfig()
     build: CpuBuild | None = None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .image_cache import ImageFeatureCache, cached_image_features
 from .projector import GraftProjector
 
 
@@ -47,6 +48,8 @@ class GraftedVLM(nn.Module):
         self.projector = projector
         self.llm = llm
         self.image_token_ids = image_token_ids
+        # Set by the engine (``vlm.engine.image_cache``); used only outside autograd, so training never sees it.
+        self.image_cache: ImageFeatureCache | None = None
 
     def freeze_backbones(self) -> None:
         """Freeze tower and LLM (eval mode, no grads); only the projector trains. If the LLM uses gradient
@@ -65,11 +68,21 @@ class GraftedVLM(nn.Module):
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode packed images into LLM-space tokens.
 
+        With :attr:`image_cache` set and autograd off, each image is looked up by content first and only the
+        misses run through tower and projector (:func:`grafting.image_cache.cached_image_features`).
+
         Args:
             pixel_values: ``(total_patches, 3, 14, 14)`` float, as made by ``Kimi_K25ImageProcessor``.
             image_grid_thw: ``(num_images, 3)`` long, (1, grid_h, grid_w) per image in patches.
         Returns: ``(total_patches // 4, H_llm)`` in the LLM embedding dtype, images in order.
         """
+        if self.image_cache is not None and not torch.is_grad_enabled():
+            return cached_image_features(self.encode_images, pixel_values, image_grid_thw, self.image_cache,
+                                         self.device, self.llm.get_input_embeddings().weight.dtype)
+        return self.encode_images(pixel_values, image_grid_thw)
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Tower + projector on packed images, never cached (shapes as in :meth:`image_features`)."""
         tower_dtype = next(self.tower.parameters()).dtype
         tower_device = next(self.tower.parameters()).device
         out = self.tower(pixel_values.to(tower_device, tower_dtype), grid_thw=image_grid_thw.to(tower_device))
