@@ -14,10 +14,10 @@ Key (the choice, and why): a BLAKE2b-128 digest of the tower's exact input for o
 The cache lives in one engine (one model), so tower/projector weights are fixed for its lifetime and are not in
 the key. Values are the projected features of one image, ``(h * w / 4, H_llm)`` in the LLM embedding dtype,
 stored on the CPU; the cache is bounded by the bytes of those tensors (``numel * element_size``) and evicts the
-least recently used entry first. A hit returns the very tensor values a miss computed, so it is bit-identical
-to recomputing whenever the tower is packing-invariant (each image attends only to itself; the cpu profile's
-MoonViT is, bit for bit - see tests/test_image_cache.py); bit-identical embeddings are also what lets vLLM's
-prefix cache (keyed by the embeddings) hit for a repeated image.
+least recently used entry first. Misses are encoded one image at a time,
+so a hit returns exactly the values a fresh encode of that image gives (see :func:`cached_image_features`);
+bit-identical embeddings are also what lets vLLM's prefix cache (keyed by the embeddings) hit for a repeated
+image.
 
 Thread-safe: the transformers backend prefills in the batcher's thread while other requests prepare in worker
 threads.
@@ -149,25 +149,22 @@ def cached_image_features(compute: Callable[[torch.Tensor, torch.Tensor], torch.
                           dtype: torch.dtype) -> torch.Tensor:
     """Projected features of packed images, looking each image up in ``cache`` first.
 
-    The images that miss are packed together and encoded in one ``compute(pixel_values, image_grid_thw)`` call
-    (the tower + projector: ``(rows, 3, 14, 14)``, ``(k, 3)`` -> ``(rows / 4, H)``); each one's slice is stored.
+    Each image that misses is encoded on its own by ``compute(pixel_values, image_grid_thw)`` (the tower +
+    projector: ``(rows, 3, 14, 14)``, ``(1, 3)`` -> ``(rows / 4, H)``) and stored. On its own, not packed with the
+    request's other misses: packing changes the last bits of an image's features (other batch shapes, other
+    kernel blocking), and a cached value must not depend on which images it first came with. So a hit is
+    bit-identical to a fresh encode of that image; for a one-image prompt that is also the uncached packed path.
     Returns ``(total_patches // 4, H)`` on ``device`` in ``dtype``, images in order - the same layout as
     ``compute`` on all images.
     """
     keys = image_keys(pixel_values, image_grid_thw)
-    grid = image_grid_thw.tolist()
-    rows = [int(t * h * w) for t, h, w in grid]
+    rows = [int(t * h * w) for t, h, w in image_grid_thw.tolist()]
     starts = [sum(rows[:i]) for i in range(len(rows))]
-    found = [cache.get(k) for k in keys]
-    missing = [i for i, f in enumerate(found) if f is None]
-    if missing:
-        pv = torch.cat([pixel_values[starts[i]:starts[i] + rows[i]] for i in missing])
-        g = image_grid_thw[missing]
-        feats = compute(pv, g)
-        off = 0
-        for i in missing:
-            n = rows[i] // 4
-            found[i] = feats[off:off + n]
-            off += n
-            cache.put(keys[i], found[i])
-    return torch.cat([f.to(device, dtype) for f in found])
+    out = []
+    for i, key in enumerate(keys):
+        feats = cache.get(key)
+        if feats is None:
+            feats = compute(pixel_values[starts[i]:starts[i] + rows[i]], image_grid_thw[i:i + 1])
+            cache.put(key, feats)
+        out.append(feats.to(device, dtype))
+    return torch.cat(out)
