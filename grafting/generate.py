@@ -24,7 +24,9 @@ class SamplingParams:
     """Sampling settings (OpenAI semantics). ``temperature`` 0 means greedy; ``top_p`` in (0, 1];
     ``seed`` makes sampling reproducible; ``stop``: up to 4 strings that end the answer (not included);
     ``logprobs``/``top_logprobs`` (0-20): report each sampled token's log-probability under the model (the raw
-    logits' log-softmax, before temperature and top-p, as OpenAI does) and the most likely alternatives."""
+    logits' log-softmax, before temperature and top-p, as OpenAI does) and the most likely alternatives;
+    ``repetition_penalty`` (>= 1; 1 = off) as in :func:`apply_repetition_penalty` (what the collapse guard
+    raises on its retry)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -33,6 +35,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -58,6 +61,20 @@ class NonFiniteOutputError(RuntimeError):
     status_code = 500
     code = "non_finite_output"
     param = None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019), as transformers' ``RepetitionPenaltyLogitsProcessor`` and
+    vLLM apply it: the logit of every id in ``seen_ids`` (prompt and answer so far, long, any order, repeats
+    allowed) is divided by ``penalty`` when positive and multiplied by it when negative. ``logits`` ``(V,)`` is
+    not modified; returns a new fp32 tensor (the input itself when ``penalty == 1``)."""
+    if penalty == 1.0 or seen_ids.numel() == 0:
+        return logits
+    out = logits.float().clone()
+    ids = torch.unique(seen_ids)
+    vals = out[ids]
+    out[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return out
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -156,6 +173,8 @@ class SequenceState:
         self.n = 0
         self.finished = False
         self.last_token: int | None = None
+        # Ids the repetition penalty sees (prompt + answer), kept only when it is on.
+        self.seen: list[int] = prompt.input_ids[0].tolist() if params.repetition_penalty != 1.0 else []
 
     def _final(self, reason: str) -> Delta:
         self.finished = True
@@ -169,7 +188,13 @@ class SequenceState:
             return self._final("length")
         if not torch.isfinite(logits).all():
             raise NonFiniteOutputError(f"the model produced non-finite logits at completion token {self.n + 1}")
-        tok = sample_next(logits, self.params, self.generator, self.suppress)
+        scores = logits
+        if self.params.repetition_penalty != 1.0:
+            scores = apply_repetition_penalty(logits, torch.tensor(self.seen, dtype=torch.long),
+                                              self.params.repetition_penalty)
+        tok = sample_next(scores, self.params, self.generator, self.suppress)
+        if self.params.repetition_penalty != 1.0:
+            self.seen.append(tok)
         self.n += 1
         if tok in self.eos_token_ids:
             return self._final("stop")
