@@ -92,6 +92,33 @@ class CollapseGuardConfig(_Strict):
         return v
 
 
+class VLLMOptions(_Strict):
+    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``llmproc/process.py``).
+
+    ``python``: the vLLM venv's interpreter (relative paths are resolved against the repository root;
+    ``make install`` builds ``.venv-vllm``). ``dtype``: the engine's dtype (None: the engine's ``dtype``).
+    ``tensor_parallel_size``: GPUs the LLM is split over (the deployment's ``num_gpus``). ``enforce_eager``: no
+    graph compilation (cpu: about 11 s start-up instead of about 50 s on 2 cores). ``enable_prefix_caching``:
+    share KV blocks across requests with a common prefix (keys include prompt embeddings).
+    ``gpu_memory_utilization``: fraction of each GPU vLLM may take (None: vLLM's default).
+    ``cpu_kvcache_space_gib``: KV cache size on CPU in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    ``cpu_threads``: OpenMP threads of the CPU engine (``OMP_NUM_THREADS``; None: vLLM's default).
+    ``startup_timeout_s``: seconds to the first healthy ``/health``. ``extra_args``: further ``api_server``
+    flags, verbatim (e.g. speculative decoding).
+    """
+
+    python: str = ".venv-vllm/bin/python"
+    dtype: str | None = Field(None, pattern="^(float32|bfloat16|float16)$")
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    cpu_kvcache_space_gib: int | None = Field(None, ge=1)
+    cpu_threads: int | None = Field(None, ge=1)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = []
+
+
 class VLMConfig(_Strict):
     """Engine config of the grafted VLM.
 
@@ -102,7 +129,10 @@ class VLMConfig(_Strict):
     ``max_width`` are this // 14 patches); 512 px -> up to 38x38 patches = 361 LLM tokens.
     ``device``: ``cpu``, ``cuda:0``, or ``auto`` (accelerate device map over the visible GPUs).
     ``max_batch_size``: requests decoded together by the continuous batcher (set the deployment's
-    ``max_ongoing_requests`` at least this high).
+    ``max_ongoing_requests`` at least this high); with the ``vllm`` backend, vLLM's ``--max-num-seqs``.
+    ``backend``: who runs the LLM's decode in the service: ``transformers`` (our loop in this process: the exact
+    reference for training, evaluation and equality tests) or ``vllm`` (vLLM's server in its own process, options in
+    ``vllm``; tower and projector stay here and vLLM gets the prompt as token ids, or as embeddings with images).
     """
 
     tower: str = "vlm/tower"
@@ -122,3 +152,5 @@ class VLMConfig(_Strict):
     image_cache: ImageCacheConfig = ImageCacheConfig()
     collapse_guard: CollapseGuardConfig = CollapseGuardConfig()
     build: CpuBuild | None = None
+    backend: str = Field("transformers", pattern="^(transformers|vllm)$")
+    vllm: VLLMOptions = VLLMOptions()

@@ -1,13 +1,18 @@
 """``VLMEngine``: the one entry point to the grafted vision-LLM (service, tests, notebooks, benchmarks).
 
 Loads tower, projector and LLM with ``from_pretrained`` (hub ids or directories), builds the processor, and
-answers OpenAI-style conversations, streamed token by token or whole.
+answers OpenAI-style conversations, streamed token by token or whole. Two LLM backends (``from_config(backend=)``):
+``transformers`` decodes in this process (:mod:`grafting.generate`, :mod:`grafting.batching`: the exact
+reference) and ``vllm`` in a supervised vLLM server (:mod:`grafting.vllm_backend`); both stream the same
+:class:`~grafting.generate.Delta` events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +52,15 @@ def _resolve(model_dir: Path | None, p: str) -> str:
 class VLMEngine:
     """Grafted VLM engine.
 
-    Args: model (:class:`GraftedVLM`), processor (:class:`GraftProcessor`), config (:class:`VLMConfig`).
+    Args: model (:class:`GraftedVLM`), processor (:class:`GraftProcessor`), config (:class:`VLMConfig`),
+    vllm (:class:`~grafting.vllm_backend.VLLMBackend` for ``backend="vllm"``; then ``model.llm`` is
+    only the LLM's embedding table).
     Errors: :meth:`prepare` raises PromptError / ImageInputError (ValueError subclasses with ``status_code``);
-    :meth:`generate` raises PromptError when ``max_tokens`` is out of range.
+    :meth:`generate` raises PromptError when ``max_tokens`` is out of range; the ``vllm`` backend raises
+    EngineUnavailableError (503) while its server is down.
     """
 
-    def __init__(self, model: GraftedVLM, processor: GraftProcessor, config: VLMConfig):
+    def __init__(self, model: GraftedVLM, processor: GraftProcessor, config: VLMConfig, vllm=None):
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -63,21 +71,46 @@ class VLMEngine:
         ids |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.eos_token_ids = ids
         self._batcher = None
+        self.vllm = vllm
+
+    @property
+    def backend(self) -> str:
+        """``transformers`` or ``vllm``."""
+        return "vllm" if self.vllm is not None else "transformers"
 
     @classmethod
-    def from_config(cls, config: VLMConfig, model_dir: str | Path | None = None) -> "VLMEngine":
+    def from_config(cls, config: VLMConfig, model_dir: str | Path | None = None,
+                    backend: str = "transformers") -> "VLMEngine":
         """Load everything named by ``config`` (paths relative to ``model_dir``). Raises OSError when a
-        checkpoint is missing (run ``chimera prepare``)."""
+        checkpoint is missing (run ``chimera prepare``).
+
+        ``backend``: ``transformers`` (the default: the in-process reference that training, evaluation, notebooks
+        and tests use) or ``vllm`` (what the service runs when the profile's ``vlm.engine.backend`` says so: only
+        the LLM's embedding table is loaded here and the vLLM server is started, not awaited - see :meth:`ready`;
+        FileNotFoundError when its interpreter is missing: run ``make install``). ValueError for another name."""
+        if backend not in ("transformers", "vllm"):
+            raise ValueError(f"unknown backend {backend!r} (transformers | vllm)")
         from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
 
         dtype = DTYPES[config.dtype]
         tower_path = _resolve(model_dir, config.tower)
         llm_path = _resolve(model_dir, config.llm)
         device_map = "auto" if config.device == "auto" else None
-        llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=dtype, device_map=device_map)
-        if device_map is None:
-            llm = llm.to(config.device)
         tower_device = "cuda:0" if config.device == "auto" else config.device
+        if backend == "vllm":
+            from transformers import GenerationConfig
+
+            from .vllm_backend import EmbeddingTable, load_input_embeddings
+
+            try:
+                gen = GenerationConfig.from_pretrained(llm_path)
+            except OSError:
+                gen = None
+            llm = EmbeddingTable(load_input_embeddings(llm_path, dtype), gen).to(tower_device)
+        else:
+            llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=dtype, device_map=device_map)
+            if device_map is None:
+                llm = llm.to(config.device)
         tower = load_tower(tower_path, dtype=dtype, device=tower_device, key_prefix=config.tower_key_prefix)
         projector = GraftProjector.from_pretrained(_resolve(model_dir, config.projector),
                                                    dtype=DTYPES[config.projector_dtype]).to(tower_device).eval()
@@ -94,7 +127,25 @@ class VLMEngine:
         model = GraftedVLM(tower, projector, llm, processor.image_token_ids)
         model.freeze_backbones()
         model.projector.requires_grad_(False)
-        return cls(model, processor, config)
+        engine = cls(model, processor, config)
+        if backend == "vllm":
+            from .vllm_backend import VLLMBackend
+
+            engine.vllm = VLLMBackend(config, llm_path, model, engine.eos_token_ids).start()
+        return engine
+
+    def ready(self) -> bool:
+        """True when the engine can answer now (the ``vllm`` backend: its server is healthy)."""
+        return self.vllm is None or self.vllm.ready()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`ready` (the ``vllm`` server up) or ``timeout`` seconds; returns :meth:`ready`."""
+        return self.vllm is None or self.vllm.server.wait_ready(timeout)
+
+    def close(self) -> None:
+        """Stop the ``vllm`` backend's server (nothing to do for ``transformers``)."""
+        if self.vllm is not None:
+            self.vllm.close()
 
     # ------------------------------------------------------------------------------------------
     def prepare(self, messages: list[dict[str, Any]]) -> Prompt:
@@ -128,13 +179,60 @@ class VLMEngine:
             raise PromptError("top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
         return SamplingParams(max_tokens, temperature, top_p, seed, stops, bool(logprobs), top_logprobs or 0)
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[Delta]:
-        """Stream the answer to a prepared prompt as :class:`~grafting.generate.Delta` events."""
+    def response_format(self, response_format: Any) -> dict | None:
+        """Validate an OpenAI ``response_format`` and return what the ``vllm`` backend sends (None for plain
+        text): ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
+        "strict"}}``; the answer is always constrained to the schema (``strict`` true or not). PromptError 400:
+        ``invalid_value`` for a malformed one, ``unsupported_parameter`` for JSON modes on the ``transformers``
+        backend."""
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict) or response_format.get("type") not in \
+                ("text", "json_object", "json_schema"):
+            raise PromptError("response_format must be an object with type text, json_object or json_schema",
+                              "response_format", "invalid_value")
+        kind = response_format["type"]
+        allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+        if set(response_format) - allowed:
+            raise PromptError(f"response_format of type {kind} takes only {sorted(allowed)}", "response_format",
+                              "invalid_value")
+        if kind == "text":
+            return None
+        if self.vllm is None:
+            raise PromptError(f"response_format {kind} needs the vllm backend (vlm.engine.backend)",
+                              "response_format", "unsupported_parameter")
+        if kind == "json_object":
+            return {"type": "json_object"}
+        js = response_format.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not isinstance(js.get("schema"), dict) \
+                or not isinstance(js.get("strict", False), (bool, type(None))) \
+                or set(js) - {"name", "description", "schema", "strict"}:
+            raise PromptError("response_format.json_schema needs name (string), schema (object) and optionally "
+                              "description and strict (boolean)", "response_format", "invalid_value")
+        return {"type": "json_schema", "json_schema": {"name": js["name"], "schema": js["schema"],
+                                                       "strict": bool(js.get("strict"))}}
+
+    def _check_context(self, prompt: Prompt, params: SamplingParams) -> None:
         if prompt.num_tokens + params.max_new_tokens > self.config.max_prompt_tokens + self.config.max_new_tokens:
             raise PromptError("prompt plus max_tokens exceeds the context limit", "max_tokens",
                               "context_length_exceeded")
+
+    def generate(self, prompt: Prompt, params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[Delta]:
+        """Stream the answer to a prepared prompt as :class:`~grafting.generate.Delta` events (``transformers``
+        backend; the ``vllm`` backend streams with :meth:`agenerate`)."""
+        self._check_context(prompt, params)
+        if self.vllm is not None:
+            raise RuntimeError("the vllm backend streams with agenerate()")
         return generate_stream(self.model, self.tokenizer, prompt, params, self.eos_token_ids, cancel)
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        response_format: dict | None = None) -> AsyncIterator[Delta]:
+        """Stream the answer through the ``vllm`` backend (``response_format`` as returned by
+        :meth:`response_format`); closing the iterator aborts the request in vLLM."""
+        self._check_context(prompt, params)
+        async for d in self.vllm.generate(prompt, params, response_format):
+            yield d
 
     def batcher(self):
         """The engine's :class:`~grafting.batching.ContinuousBatcher` (started on first use, ``max_batch_size``
@@ -152,7 +250,11 @@ class VLMEngine:
         prompt = self.prepare(messages)
         params = self.sampling_params(**sampling)
         parts, ttft, last = [], None, None
-        for d in self.generate(prompt, params):
+
+        async def collect() -> list[Delta]:
+            return [d async for d in self.agenerate(prompt, params)]
+
+        for d in (asyncio.run(collect()) if self.vllm is not None else self.generate(prompt, params)):
             if ttft is None:
                 ttft = d.t - t0
             parts.append(d.text)
@@ -162,7 +264,10 @@ class VLMEngine:
 
     @torch.inference_mode()
     def logits(self, messages: list[dict[str, Any]]) -> torch.Tensor:
-        """Next-token logits at every prompt position: ``(T, V)`` float (the generation prompt included)."""
+        """Next-token logits at every prompt position: ``(T, V)`` float (the generation prompt included;
+        ``transformers`` backend only)."""
+        if self.vllm is not None:
+            raise RuntimeError("logits() needs the transformers backend (the vllm backend holds no LLM layers)")
         p = self.prepare(messages)
         out = self.model(p.input_ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
         return out.logits[0]

@@ -27,13 +27,18 @@ from .profiles import FamilySection, Profile
 
 
 class Deployment:
-    """Ray Serve deployment of the grafted VLM: one engine per replica; concurrent requests are decoded together
-    by the engine's continuous batcher (up to ``max_batch_size``).
+    """Ray Serve deployment of the grafted VLM: one engine per replica. With the ``transformers`` backend,
+    concurrent requests are decoded together by the engine's continuous batcher (up to ``max_batch_size``); with
+    ``vllm`` the replica owns a supervised vLLM server process (started here, restarted when it dies, stopped
+    with the replica) whose continuous batching serves them, and ``ready()`` is False while it is down.
 
     ``chat_stream(request)`` is an async generator of events: ``{"type": "start", "prompt_tokens"}``, then
     ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
     Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead.
-    Closing the generator (client gone) drops the request from the batch before the next decode step.
+    Both backends yield the same events. An engine failure (the vLLM process died or is restarting) raises
+    EngineUnavailableError (HTTP 503 ``engine_unavailable``; mid-stream an SSE error event).
+    Closing the generator (client gone) drops the request from the batch before the next decode step (vllm:
+    closes the HTTP stream, which aborts the request there).
     """
 
     def __init__(self, section: dict, model_dir: str):
@@ -45,16 +50,28 @@ class Deployment:
         cfg = FamilySection[VLMConfig].model_validate(section)
         if cfg.deployment.torch_threads:
             torch.set_num_threads(cfg.deployment.torch_threads)
-        self.engine = VLMEngine.from_config(cfg.engine, model_dir)
-        self.batcher = self.engine.batcher()
+        self.engine = VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend)
+        self.batcher = self.engine.batcher() if self.engine.backend == "transformers" else None
 
     async def ready(self) -> bool:
-        """True once the engine is loaded (the constructor has returned)."""
-        return True
+        """True once the engine is loaded (the constructor has returned) and, with the ``vllm`` backend, while
+        its server process is up and healthy."""
+        return self.engine.ready()
 
     async def stats(self) -> dict:
-        """Batcher state: ``active`` rows being decoded now, ``max_batch_seen`` since start."""
-        return {"active": self.batcher.active, "max_batch_seen": self.batcher.max_batch_seen}
+        """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
+        start; vllm: ``engine_state``, ``engine_pid``, ``engine_restarts``."""
+        if self.batcher is not None:
+            return {"backend": "transformers", "active": self.batcher.active,
+                    "max_batch_seen": self.batcher.max_batch_seen}
+        server = self.engine.vllm.server
+        return {"backend": "vllm", "engine_state": server.state, "engine_pid": server.pid,
+                "engine_restarts": server.restarts}
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         """OpenAI ``ChatCompletionTokenLogprob``: token text, its UTF-8 bytes, logprob, top alternatives."""
@@ -74,8 +91,13 @@ class Deployment:
             params = engine.sampling_params(request.get("max_tokens"), request.get("temperature"),
                                             request.get("top_p"), request.get("seed"), request.get("stop"),
                                             request.get("logprobs"), request.get("top_logprobs"))
+            response_format = engine.response_format(request.get("response_format"))
         except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
             yield input_error_event(exc)
+            return
+        if engine.backend == "vllm":
+            async for ev in self._vllm_events(prompt, params, response_format):
+                yield ev
             return
         yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
         loop = asyncio.get_running_loop()
@@ -98,6 +120,36 @@ class Deployment:
                     return
         finally:
             cancel.set()  # the client went away or the stream ended: the batcher drops the row at its next step
+
+    async def _vllm_events(self, prompt, params, response_format):
+        """``chat_stream``'s events from the vllm backend (a refusal by vLLM before the first token, such as a
+        schema it cannot compile, is an input error event like ours; an unavailable engine raises)."""
+        from llmproc.client import EngineRequestError
+
+        gen = self.engine.agenerate(prompt, params, response_format)
+        try:
+            try:
+                first = await gen.__anext__()
+            except EngineRequestError as exc:
+                yield input_error_event(exc)
+                return
+            except ValueError as exc:  # the context check
+                yield input_error_event(exc)
+                return
+            yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
+            d = first
+            while True:
+                if d.text or d.finish_reason is None:
+                    ev = {"type": "delta", "text": d.text}
+                    if d.logprob is not None:
+                        ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
+                    yield ev
+                if d.finish_reason is not None:
+                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens}
+                    return
+                d = await gen.__anext__()
+        finally:
+            await gen.aclose()
 
 
 def input_error_event(exc: Exception) -> dict:
@@ -131,6 +183,7 @@ class ChatRequest(BaseModel):
     stream_options: dict | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    response_format: dict | None = None
 
 
 async def parse_json_body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -163,7 +216,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
             raise APIError(400, "messages must be a non-empty list", param="messages", code="empty_messages")
         payload = {"messages": req.messages, "max_tokens": max_tokens, "temperature": req.temperature,
                    "top_p": req.top_p, "seed": req.seed, "stop": req.stop, "logprobs": req.logprobs,
-                   "top_logprobs": req.top_logprobs}
+                   "top_logprobs": req.top_logprobs, "response_format": req.response_format}
         stream = backend.stream("chat_stream", payload)
         try:
             start = await stream.__anext__()
