@@ -72,3 +72,60 @@ TTS_AUDIO_SECONDS = Counter("chimera_tts_audio_seconds_total", "Seconds of speec
                             registry=REGISTRY)
 TTS_WS_SESSIONS = Gauge("chimera_tts_websocket_sessions_active", "Open speech websocket sessions", ["model"],
                         registry=REGISTRY)
+
+# --- VLM image-embedding cache and chat collapse guard (counted from the replicas' chat end events) ----------
+IMAGE_CACHE_HITS = Counter("chimera_vlm_image_cache_hits_total",
+                           "Images whose projected features came from a replica's image-embedding cache",
+                           ["model", "replica"], registry=REGISTRY)
+IMAGE_CACHE_MISSES = Counter("chimera_vlm_image_cache_misses_total",
+                             "Images that went through the vision tower and projector (not in the cache)",
+                             ["model", "replica"], registry=REGISTRY)
+IMAGE_CACHE_EVICTIONS = Counter("chimera_vlm_image_cache_evictions_total",
+                                "Image-cache entries evicted (least recently used) to stay within the byte bound",
+                                ["model", "replica"], registry=REGISTRY)
+IMAGE_CACHE_BYTES = Gauge("chimera_vlm_image_cache_bytes", "Bytes of image features held in a replica's cache",
+                          ["model", "replica"], registry=REGISTRY)
+IMAGE_CACHE_ENTRIES = Gauge("chimera_vlm_image_cache_entries", "Images held in a replica's cache",
+                            ["model", "replica"], registry=REGISTRY)
+CHAT_COLLAPSES = Counter("chimera_chat_collapses_total",
+                         "Chat answers in which the collapse guard saw one token repeat min_run+ times, by outcome "
+                         "(recovered: the retry finished the answer; cut_short: it ended at the collapse)",
+                         ["model", "outcome"], registry=REGISTRY)
+CHAT_COLLAPSE_RETRIES = Counter("chimera_chat_collapse_retries_total",
+                                "Retries started by the chat collapse guard", ["model"], registry=REGISTRY)
+
+_IMAGE_CACHE_SEEN: dict[tuple[str, str], dict[str, int]] = {}
+
+
+def observe_image_cache(model: str, replica: str, stats: dict[str, int]) -> None:
+    """Fold one replica's cumulative image-cache counters (``grafting.image_cache.CacheStats.as_dict()``) into
+    the metrics: counters grow by the difference to the last snapshot seen from that replica (all of it when
+    the replica restarted and its counters went back), gauges are set."""
+    last = _IMAGE_CACHE_SEEN.get((model, replica), {})
+    for name, counter in (("hits", IMAGE_CACHE_HITS), ("misses", IMAGE_CACHE_MISSES),
+                          ("evictions", IMAGE_CACHE_EVICTIONS)):
+        now, before = int(stats.get(name, 0)), int(last.get(name, 0))
+        delta = now - before if now >= before else now
+        if delta > 0:
+            counter.labels(model, replica).inc(delta)
+    IMAGE_CACHE_BYTES.labels(model, replica).set(int(stats.get("bytes", 0)))
+    IMAGE_CACHE_ENTRIES.labels(model, replica).set(int(stats.get("entries", 0)))
+    _IMAGE_CACHE_SEEN[(model, replica)] = {k: int(stats.get(k, 0)) for k in ("hits", "misses", "evictions")}
+
+
+def observe_collapse(model: str, report: dict[str, int | bool]) -> None:
+    """Count one answer's collapse-guard report (``grafting.collapse_guard.GuardReport`` as a dict)."""
+    if report.get("collapses", 0) > 0:
+        CHAT_COLLAPSES.labels(model, "cut_short" if report.get("cut_short") else "recovered").inc()
+    if report.get("retries", 0) > 0:
+        CHAT_COLLAPSE_RETRIES.labels(model).inc(int(report["retries"]))
+
+
+def observe_vlm_end_event(model: str, event: dict) -> None:
+    """Metrics carried by a VLM ``end`` event: ``image_cache`` ``{"replica", "stats"}`` and ``collapse`` (a
+    guard report); either may be absent."""
+    cache = event.get("image_cache")
+    if isinstance(cache, dict) and isinstance(cache.get("stats"), dict):
+        observe_image_cache(model, str(cache.get("replica", "")), cache["stats"])
+    if isinstance(event.get("collapse"), dict):
+        observe_collapse(model, event["collapse"])
