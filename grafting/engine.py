@@ -127,6 +127,11 @@ class VLMEngine:
         model = GraftedVLM(tower, projector, llm, processor.image_token_ids)
         model.freeze_backbones()
         model.projector.requires_grad_(False)
+        # issue 11 hook: the image-embedding cache (both backends embed through model.image_features)
+        if config.image_cache.enabled:
+            from .image_cache import ImageFeatureCache
+
+            model.image_cache = ImageFeatureCache(config.image_cache.max_bytes)
         engine = cls(model, processor, config)
         if backend == "vllm":
             from .vllm_backend import VLLMBackend

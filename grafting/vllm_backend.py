@@ -168,6 +168,7 @@ class VLLMBackend:
         req = CompletionRequest(
             model=SERVED_NAME, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=params.seed, stop=list(params.stop), stop_token_ids=sorted(self.eos_token_ids),
+            repetition_penalty=params.repetition_penalty,  # issue 11 hook: raised by the collapse guard's retry
             logprobs=params.top_logprobs if params.logprobs else None, response_format=response_format)
         if prompt.pixel_values is None:
             req.prompt = prompt.input_ids[0].tolist()

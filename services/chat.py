@@ -8,7 +8,9 @@ objects. A client disconnect closes the stream, which cancels generation in the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ from .app import check_model, json_object
 from .backends import Backend
 from .errors import APIError, error_body, to_api_error
 from .profiles import FamilySection, Profile
+from .routing import PAYLOAD_KEY, image_routing_keys
 
 
 class Deployment:
@@ -100,33 +103,33 @@ class Deployment:
                 yield ev
             return
         yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
+        from grafting.collapse_guard import GuardReport
 
-        self.batcher.submit(prompt, params, cancel, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        report = GuardReport()
+        gen = self._guarded(prompt, params, None, report)
         try:
-            while True:
-                d = await queue.get()
-                if isinstance(d, BaseException):
-                    raise d
+            async for d in gen:
                 if d.text or d.finish_reason is None:
                     ev = {"type": "delta", "text": d.text}
                     if d.logprob is not None:
                         ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
                     yield ev
                 if d.finish_reason is not None:
-                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens}
+                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
+                           **self._end_extras(report)}
                     return
         finally:
-            cancel.set()  # the client went away or the stream ended: the batcher drops the row at its next step
+            await gen.aclose()  # the client went away or the stream ended: the batcher drops the row
 
     async def _vllm_events(self, prompt, params, response_format):
         """``chat_stream``'s events from the vllm backend (a refusal by vLLM before the first token, such as a
         schema it cannot compile, is an input error event like ours; an unavailable engine raises)."""
         from llmproc.client import EngineRequestError
 
-        gen = self.engine.agenerate(prompt, params, response_format)
+        from grafting.collapse_guard import GuardReport
+
+        report = GuardReport()
+        gen = self._guarded(prompt, params, response_format, report)
         try:
             try:
                 first = await gen.__anext__()
@@ -145,11 +148,68 @@ class Deployment:
                         ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
                     yield ev
                 if d.finish_reason is not None:
-                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens}
+                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
+                           **self._end_extras(report)}
                     return
                 d = await gen.__anext__()
         finally:
             await gen.aclose()
+
+    # --- issue 11 hooks: the collapse guard over both backends' Delta streams, image-cache stats in end events --
+    def _batcher_attempt(self, prompt, params):
+        """One generation on the transformers backend's batcher as an async iterator of Delta events (closing
+        it drops the row from the batch at its next step)."""
+        async def gen():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            cancel = threading.Event()
+            self.batcher.submit(prompt, params, cancel,
+                                lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+            try:
+                while True:
+                    d = await queue.get()
+                    if isinstance(d, BaseException):
+                        raise d
+                    yield d
+                    if d.finish_reason is not None:
+                        return
+            finally:
+                cancel.set()
+        return gen()
+
+    def _guarded(self, prompt, params, response_format, report):
+        """The answer's Delta stream through the collapse guard (``vlm.engine.collapse_guard``). Off for
+        ``response_format`` answers: a JSON grammar cannot resume in the middle of an answer."""
+        from grafting.collapse_guard import guarded_stream
+
+        cfg = self.engine.config.collapse_guard
+        if response_format is not None:
+            cfg = cfg.model_copy(update={"enabled": False})
+        if self.engine.backend == "vllm":
+            def attempt(p, sp):
+                return self.engine.agenerate(p, sp, response_format)
+        else:
+            attempt = self._batcher_attempt
+        return guarded_stream(attempt, prompt, params, cfg, self.engine.tokenizer, report)
+
+    def _end_extras(self, report) -> dict:
+        """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's
+        image-cache counters and the answer's collapse-guard report."""
+        out = {"collapse": dataclasses.asdict(report)}
+        cache = self.engine.model.image_cache
+        if cache is not None:
+            out["image_cache"] = {"replica": _replica_name(), "stats": cache.stats().as_dict()}
+        return out
+
+
+def _replica_name() -> str:
+    """This Ray Serve replica's id (the process id outside Ray Serve)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (LocalBackend: tests, notebooks)
+        return f"pid{os.getpid()}"
 
 
 def input_error_event(exc: Exception) -> dict:
@@ -217,6 +277,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         payload = {"messages": req.messages, "max_tokens": max_tokens, "temperature": req.temperature,
                    "top_p": req.top_p, "seed": req.seed, "stop": req.stop, "logprobs": req.logprobs,
                    "top_logprobs": req.top_logprobs, "response_format": req.response_format}
+        payload[PAYLOAD_KEY] = image_routing_keys(req.messages)  # issue 11 hook: cache-aware routing
         stream = backend.stream("chat_stream", payload)
         try:
             start = await stream.__anext__()
@@ -248,6 +309,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
                         token_logprobs += ev.get("logprobs", [])
                     elif ev["type"] == "end":
                         end = ev
+                        metrics.observe_vlm_end_event(model_id, ev)
             except Exception as exc:  # noqa: BLE001
                 raise to_api_error(exc) from None
             finally:
@@ -286,6 +348,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
                         if ev["text"] or ev.get("logprobs"):
                             yield chunk({"content": ev["text"]}, logprobs=ev.get("logprobs"))
                     elif ev["type"] == "end":
+                        metrics.observe_vlm_end_event(model_id, ev)
                         yield chunk({}, ev["finish_reason"])
                         if include_usage:
                             n = ev["completion_tokens"]

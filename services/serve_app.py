@@ -46,7 +46,12 @@ def build_application(profile: Profile):
     model_dir = str(profile.resolved_model_dir())
     handles = {}
     for fam, section in profile.families().items():
-        dep = serve.deployment(family_module(fam).Deployment).options(**_options(fam, section.deployment))
+        opts = _options(fam, section.deployment)
+        if fam == "vlm":  # issue 11 hook: image-cache-aware routing across VLM replicas (services/routing.py)
+            from .routing import router_config
+
+            opts["request_router_config"] = router_config()
+        dep = serve.deployment(family_module(fam).Deployment).options(**opts)
         handles[fam] = dep.bind(section.model_dump(mode="json"), model_dir)
     ingress = serve.deployment(Ingress).options(**_options("ingress", profile.server.ingress))
     return ingress.bind(profile.model_dump(mode="json"), **handles)
