@@ -4,9 +4,10 @@ Why a process and not a library: vLLM pins its own torch and transformers, so it
 (``make install`` builds ``.venv-vllm``) and cannot share the service's interpreter; its OpenAI server is its
 public, versioned, typed interface (the same boundary vLLM itself draws between its API server and its engine).
 
-:class:`ServerProcess` runs ``<python> -m <module> <args>`` in its own session (process group), with
-``PR_SET_PDEATHSIG`` so the kernel kills it when the supervising thread's process dies, and ``atexit`` stops it
-on a clean exit: it is never orphaned. One supervisor thread spawns it (``PR_SET_PDEATHSIG`` fires when the
+:class:`ServerProcess` runs ``<python> -m <module> <args>`` under :mod:`llmproc.guard` in its own session
+(process group). The guard gets ``PR_SET_PDEATHSIG(SIGTERM)``, so the kernel signals it when the supervising
+thread's process dies, even by SIGKILL, and it then kills the whole group (vLLM's API server spawns engine-core and
+worker processes that would otherwise outlive it); ``atexit`` stops it on a clean exit: it is never orphaned. One supervisor thread spawns it (``PR_SET_PDEATHSIG`` fires when the
 *thread* that forked exits, so every spawn happens on that one long-lived thread), polls ``GET /health``, and
 when the process dies or stops answering kills its whole group (vLLM's engine-core workers included) and starts
 it again. ``state`` tells callers whether it can serve (``ready``) or not (``starting`` | ``restarting`` |
@@ -21,6 +22,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,8 +43,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+GUARD = str(Path(__file__).resolve().parent / "guard.py")
+
+
+def _die_with_parent() -> None:  # runs in the guard between fork and exec: SIGTERM lets it sweep its group
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -96,9 +101,21 @@ class ServerProcess:
     # ---------------------------------------------------------------------------------------- public
     @property
     def pid(self) -> int | None:
-        """Process id of the running server (its process group has the same id), or None."""
+        """Process id of the running guard (the process group has the same id), or None."""
         p = self._proc
         return p.pid if p is not None and p.poll() is None else None
+
+    @property
+    def server_pid(self) -> int | None:
+        """Process id of the server itself (the guard's child), or None when none runs."""
+        import psutil
+
+        pid = self.pid
+        try:
+            kids = psutil.Process(pid).children() if pid is not None else []
+        except psutil.NoSuchProcess:
+            return None
+        return kids[0].pid if kids else None
 
     def start(self) -> "ServerProcess":
         """Begin supervising: spawn the server on the supervisor thread. Returns self."""
@@ -149,7 +166,7 @@ class ServerProcess:
     def _spawn(self) -> None:
         env = dict(os.environ)
         env.update(self.spec.env)
-        argv = [self.spec.python, "-m", self.spec.module, *self.spec.args,
+        argv = [sys.executable, GUARD, self.spec.python, "-m", self.spec.module, *self.spec.args,
                 "--host", self.spec.host, "--port", str(self.port)]
         log = open(self.log_path, "ab")
         try:

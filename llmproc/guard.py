@@ -1,0 +1,65 @@
+"""Process-group guard: run a command as a child and take its whole process group down with it.
+
+Usage: ``python guard.py <command> [args...]`` (run by file path, stdlib only, so any interpreter can run it).
+:class:`llmproc.process.ServerProcess` starts this guard as the leader of a new session with
+``PR_SET_PDEATHSIG(SIGTERM)``; the guard starts the engine server in the same process group. vLLM's API server
+spawns its engine-core and worker processes, which outlive a killed API server unless someone reaps them: the
+guard is that someone. When the command exits (crash, kill), or when the guard gets SIGTERM/SIGINT/SIGHUP
+(supervisor stopping it, or the supervisor's process dying), it sends SIGTERM to the command, waits up to
+``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Exit status: the command's
+(128 + N when the command, or the guard itself, was killed by signal N).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_guard() -> None:  # in the command's process, between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def kill_group_but_me() -> None:
+    """SIGKILL every process of this process group except this one (found through ``/proc``)."""
+    me, group = os.getpid(), os.getpgrp()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.getpgid(int(name)) == group:
+                os.kill(int(name), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def main(argv: list[str]) -> int:
+    """Run ``argv`` guarded (see the module docstring); returns the command's exit status."""
+    child = subprocess.Popen(argv, preexec_fn=_die_with_guard)
+
+    def down(signum, frame):
+        try:
+            child.terminate()
+            deadline = time.monotonic() + GRACE_S
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            kill_group_but_me()
+            os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, down)
+    code = child.wait()
+    kill_group_but_me()  # the command's own children (vLLM's engine core and workers)
+    return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,154 @@
+"""The engine-process supervisor (llmproc/process.py) and its group guard, with a scripted stand-in server.
+
+The stand-in answers ``GET /health`` like vLLM's OpenAI server and, like it, spawns a worker process of its own
+(vLLM's engine core), so the tests can check that no process of the group outlives the supervisor's will: after
+a crash, a stop, or the supervising process being SIGKILLed. No model is involved (the supervisor never looks at
+one); the real vLLM server is exercised by tests/test_vlm_vllm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from llmproc.process import ServerProcess, ServerSpec
+
+STAND_IN = textwrap.dedent('''
+    import argparse, http.server, os, subprocess, sys
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host"); ap.add_argument("--port", type=int); ap.add_argument("--exit-at-once", action="store_true")
+    a = ap.parse_args()
+    if a.exit_at_once:
+        sys.exit(3)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine core
+    with open(os.environ["WORKER_PIDS"], "a") as f:
+        f.write(f"{os.getpid()} {worker.pid}\\n")
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer((a.host, a.port), H).serve_forever()
+''')
+
+
+def wait_until(cond, timeout: float = 60.0) -> bool:
+    """Poll ``cond`` every 0.1 s until true or ``timeout`` seconds (a bound on a failure, not a timing claim)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent has not reaped it yet
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.getpgid(int(name)) == pgid and alive(int(name)):
+                    out.append(int(name))
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+    return out
+
+
+@pytest.fixture
+def spec(tmp_path):
+    (tmp_path / "stand_in_engine.py").write_text(STAND_IN)
+    pids = tmp_path / "pids.txt"
+    pids.touch()
+    return ServerSpec(python=sys.executable, module="stand_in_engine",
+                      env={"PYTHONPATH": str(tmp_path), "WORKER_PIDS": str(pids)},
+                      startup_timeout_s=60, health_period_s=0.2, max_health_failures=2, max_start_failures=2)
+
+
+def pids_of(spec) -> list[tuple[int, int]]:
+    text = open(spec.env["WORKER_PIDS"]).read().split()
+    return [(int(a), int(b)) for a, b in zip(text[::2], text[1::2])]
+
+
+def test_starts_restarts_after_death_and_stops_the_whole_group(spec):
+    s = ServerProcess(spec).start()
+    try:
+        assert s.wait_ready(60) and s.state == "ready"
+        assert httpx.get(f"{s.base_url}/health").status_code == 200
+        pgid = s.pid
+        (server, worker), = pids_of(spec)
+        assert s.server_pid == server and os.getpgid(worker) == pgid
+        os.kill(server, signal.SIGKILL)  # the engine dies; its worker would linger without the guard
+        assert wait_until(lambda: s.state != "ready")
+        assert wait_until(lambda: not alive(worker))
+        assert s.wait_ready(60) and s.restarts == 1 and s.base_url.endswith(f":{s.port}")
+        assert len(pids_of(spec)) == 2 and s.server_pid == pids_of(spec)[1][0] != server
+        assert s.last_error == "engine process exited with code 137"  # the guard reports its command's SIGKILL
+    finally:
+        s.stop()
+    assert s.state == "stopped" and s.pid is None
+    assert wait_until(lambda: not group_members(pgid) and not group_members(s._proc.pid), 30)
+    assert not any(alive(p) for pair in pids_of(spec) for p in pair)
+
+
+def test_a_server_that_stops_answering_health_is_replaced(spec):
+    s = ServerProcess(spec).start()
+    try:
+        assert s.wait_ready(60)
+        (server, worker), = pids_of(spec)
+        os.kill(server, signal.SIGSTOP)  # alive but silent (a hung engine)
+        assert wait_until(lambda: s.restarts == 1 and s.state == "ready", 60)
+        assert s.last_error == "engine stopped answering /health"
+        assert wait_until(lambda: not alive(server) and not alive(worker))
+    finally:
+        s.stop()
+
+
+def test_a_server_that_cannot_start_ends_failed_with_the_reason(spec):
+    spec.args = ["--exit-at-once"]
+    s = ServerProcess(spec).start()
+    assert not s.wait_ready(60)
+    assert s.state == "failed" and s.restarts == 1
+    assert "exited with code 3" in s.last_error and "gave up after 2 failed starts" in s.last_error
+    s.stop()
+
+
+def test_missing_interpreter_is_a_clear_error(spec):
+    spec.python = "/nonexistent/python"
+    with pytest.raises(FileNotFoundError, match="make install"):
+        ServerProcess(spec).start()
+
+
+def test_never_orphaned_when_the_supervising_process_is_killed(spec):
+    code = textwrap.dedent(f'''
+        import sys, time
+        from llmproc.process import ServerProcess, ServerSpec
+        s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
+        print("ready" if s.wait_ready(60) else "failed", s.pid, flush=True)
+        time.sleep(600)
+    ''')
+    sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = sup.stdout.readline().split()
+    assert line[0] == "ready"
+    pgid = int(line[1])
+    (server, worker), = pids_of(spec)
+    assert set(group_members(pgid)) == {pgid, server, worker}
+    sup.kill()  # SIGKILL: no atexit, no finally; only the kernel's parent-death signal is left
+    sup.wait()
+    assert wait_until(lambda: not group_members(pgid), 30), group_members(pgid)
