@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from audio.config import TTSConfig
 from grafting.config import VLMConfig
@@ -87,6 +87,16 @@ class Profile(Strict):
     vlm: FamilySection[VLMConfig] | None = None
     video: FamilySection[VideoConfig] | None = None
     tts: FamilySection[TTSConfig] | None = None
+
+    @model_validator(mode="after")
+    def _vllm_spans_the_deployment_gpus(self) -> "Profile":
+        """With the ``vllm`` backend on GPUs, the LLM is split over exactly the VLM deployment's GPUs."""
+        v = self.vlm
+        if v is not None and v.engine.backend == "vllm" and v.deployment.num_gpus >= 1 \
+                and v.engine.vllm.tensor_parallel_size != v.deployment.num_gpus:
+            raise ValueError(f"vlm.engine.vllm.tensor_parallel_size ({v.engine.vllm.tensor_parallel_size}) must equal "
+                             f"vlm.deployment.num_gpus ({v.deployment.num_gpus:g})")
+        return self
 
     def resolved_model_dir(self) -> Path:
         """The model directory as an absolute path (``CHIMERA_MODEL_DIR`` overrides the profile)."""

@@ -3,6 +3,7 @@ sizes (built on the meta device: nothing is downloaded or allocated)."""
 
 from __future__ import annotations
 
+import pytest
 from accelerate import init_empty_weights
 from transformers import Kimi_K25VisionModel
 
@@ -30,3 +31,25 @@ def test_real_moonvit_and_projector_sizes_on_meta():
     assert abs(n_tower - 417e6) / 417e6 < 0.005      # "about 417M params"
     assert abs(n_proj - 49.5e6) / 49.5e6 < 0.005     # GLM-5.2 graft projector 4608 -> 4608 -> 6144
     assert tower.config.merge_kernel_size == [2, 2] and tower.config.patch_size == 14
+
+
+def test_gpu_profile_serves_glm4_9b_on_vllm_bf16_across_the_deployment_gpus():
+    p = load_profile("gpu")
+    e = p.vlm.engine
+    assert e.backend == "vllm" and e.llm == "THUDM/GLM-4-9B-0414"
+    assert e.vllm.dtype == "bfloat16" and e.vllm.tensor_parallel_size == p.vlm.deployment.num_gpus == 2
+    assert e.vllm.python == ".venv-vllm/bin/python"
+
+
+def test_vllm_tensor_parallel_must_match_the_deployment_gpus():
+    from services.profiles import ProfileError, parse_profile
+
+    data = load_profile("gpu").model_dump(mode="json")
+    data["vlm"]["engine"]["vllm"]["tensor_parallel_size"] = 1
+    with pytest.raises(ProfileError, match="tensor_parallel_size .1. must equal vlm.deployment.num_gpus .2."):
+        parse_profile(data)
+    data["vlm"]["engine"]["backend"] = "transformers"  # the transformers backend spreads by device map instead
+    assert parse_profile(data).vlm.engine.backend == "transformers"
+    data["vlm"]["engine"]["backend"] = "tgi"
+    with pytest.raises(ProfileError, match="vlm.engine.backend"):
+        parse_profile(data)
