@@ -11,6 +11,7 @@ logit becomes 5.5 / 1.3 = 4.23 < 5.0 and the script goes on: the retry's recover
 from __future__ import annotations
 
 import asyncio
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -165,7 +166,7 @@ def test_sampled_retry_uses_another_seed_and_a_higher_penalty(tok):
 
 def test_markdown_table_digits_and_punctuation_runs_never_fire(tok):
     attempt, prompt, script, _ = _setup(tok, TABLE)
-    runs = [sum(1 for _ in g) for _, g in __import__("itertools").groupby(script)]
+    runs = [sum(1 for _ in g) for _, g in itertools.groupby(script)]
     assert max(runs) >= 6  # the answer really has long runs of one token (the zeros of 1000000)
     params = SamplingParams(max_new_tokens=len(script) + 1, temperature=0.0)
     raw = asyncio.run(_collect(attempt(prompt, params)))

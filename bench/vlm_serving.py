@@ -1,0 +1,403 @@
+"""VLM serving through the running service: the ``transformers`` backend (the in-project baseline) vs ``vllm``.
+
+Everything goes over HTTP to ``chimera serve`` (the openai SDK is the client), one service at a time, in one run:
+
+1. repeated-image time to first token: one new photo asked about 5 times; first vs the mean of the next four
+   (target >= 5x lower with vllm: the image cache skips tower + projector, vLLM's prefix cache the prefill);
+2. throughput (completion tokens/s) of 8 text requests at 1 (= sequential), 4 and 8 concurrent clients
+   (target: vllm at 8 >= 4x the transformers backend's sequential);
+3. ``response_format`` (``json_schema``, strict) on 50 requests: the share that parses and matches the schema
+   (target 100%; the transformers backend refuses JSON modes with a 400, reported as such);
+4. n-gram speculative decoding on vs off (vllm; the profile's ``vlm.engine.vllm.extra_args``): tokens/s of a
+   copy-the-passage answer, where n-gram lookup proposes well, and whether the greedy answers are equal;
+5. HTTP overhead: median latency of the same image question over HTTP vs the same engine in this process
+   (measured after the service stopped, so the two never share the 2 cores);
+6. 2-replica routing: 6 photos asked 4 times each on a 2-replica deployment (transformers backend: the router is
+   the same for both and one replica costs far less), image-cache hit rate of the repeats from ``/metrics``.
+
+Each service runs a vlm-only copy of the profile (video and tts left out) with ``max_batch_size`` and
+``max_ongoing_requests`` 8 for both backends, so 8 clients are decoded together in each. Absolute times on a
+shared 2-core machine are noisy; the ratios measured side by side are the point.
+
+    .venv/bin/python bench/vlm_serving.py [--profile cpu] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the replicas' torch_threads in the cpu profile
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "colours": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "colours"], "additionalProperties": False}
+PASSAGE = ("The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the warm sun. The warm sun shines "
+           "on the green hills. The green hills roll down to the blue sea.")
+# A ~670-token document asked about with the image: long enough that prefill, not the fixed per-request cost,
+# dominates the first answer's time to first token (the case prefix caching is for).
+FACTS = " ".join(f"Fact {i}: the {c} box on shelf {i % 7} holds {i * 3 % 11} {o}." for i, (c, o) in enumerate(
+    [(c, o) for c in ("red", "green", "blue", "yellow", "black") for o in ("apples", "pens", "stones", "cards")] * 2))
+TEXT_PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
+                "How do plants grow?", "Explain what a computer is.", "Describe a cat.",
+                "Why is the sky blue?", "Give me a tip for cooking rice."]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def photo_url(index: int) -> str:
+    """A distinct real photograph per index (skimage samples, cropped and flipped), as a PNG data URL."""
+    from PIL import Image, ImageOps
+    from skimage import data
+
+    srcs = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    img = Image.fromarray(srcs[index % len(srcs)])
+    k = index // len(srcs)
+    w, h = img.size
+    img = img.crop((k * 7 % (w // 4), k * 5 % (h // 4), w - k * 3 % (w // 4), h - k * 11 % (h // 4)))
+    if k % 2:
+        img = ImageOps.mirror(img)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_msgs(url: str, text: str = "What is in this picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def text_msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def bench_profile(base: dict, backend: str, replicas: int = 1, spec: bool = False) -> dict:
+    """A vlm-only copy of the profile dict for one service of this benchmark."""
+    prof = json.loads(json.dumps(base))
+    prof.pop("video", None)
+    prof.pop("tts", None)
+    prof["name"] = f"bench-{backend}{'-spec' if spec else ''}{'-x2' if replicas > 1 else ''}"
+    prof["model_dir"] = str((ROOT / prof.get("model_dir", ".chimera/models/cpu")).resolve())
+    vlm = prof["vlm"]
+    vlm["deployment"] = dict(vlm.get("deployment", {}), num_replicas=replicas, max_ongoing_requests=8)
+    eng = vlm["engine"]
+    eng.update(backend=backend, max_batch_size=8)
+    if spec:
+        v = dict(eng.get("vllm", {}))
+        v["extra_args"] = list(v.get("extra_args", [])) + ["--speculative-config", NGRAM]
+        eng["vllm"] = v
+    return prof
+
+
+class Service:
+    """``chimera serve`` on a free port with a profile dict, in its own process group (stopped on exit)."""
+
+    def __init__(self, profile: dict, timeout_s: float = 900):
+        self.profile = profile
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        yaml.safe_dump(profile, self.tmp)
+        self.tmp.close()
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([str(ROOT / ".venv/bin/chimera"), "serve", "--profile", self.tmp.name,
+                                      "--port", str(self.port)], cwd=ROOT, stdout=self.log, stderr=self.log,
+                                     start_new_session=True)
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise SystemExit(f"service {profile['name']} exited; log: {self.log.name}")
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            self.stop()
+            raise SystemExit(f"service {profile['name']} not ready after {timeout_s} s; log: {self.log.name}")
+        self.startup_s = time.time() - t0
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=900)
+        self.model = profile["vlm"]["model_id"]
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 60 s; returns once every process of the group (Ray's and
+        vLLM's included) is gone, so the next measurement has the cores to itself."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        deadline = time.time() + 60
+        while _group_alive(self.proc.pid):
+            if time.time() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                deadline = time.time() + 30
+            time.sleep(0.5)
+        os.unlink(self.tmp.name)
+
+    def chat(self, messages, **kw):
+        """One non-streamed chat completion."""
+        return self.client.chat.completions.create(model=self.model, messages=messages, **kw)
+
+    def ttft(self, messages, max_tokens: int = 8) -> float:
+        """Seconds to the first content chunk of a streamed, greedy answer."""
+        t0 = time.perf_counter()
+        first = None
+        for ch in self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                      temperature=0, stream=True):
+            if first is None and ch.choices and ch.choices[0].delta.content:
+                first = time.perf_counter() - t0
+        return first if first is not None else time.perf_counter() - t0
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base}/metrics", timeout=30).text
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples over all label sets."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def throughput(svc: Service, clients: int, max_tokens: int) -> tuple[float, int]:
+    """(completion tokens/s, tokens) of the 8 text prompts answered by ``clients`` concurrent clients."""
+    def one(p):
+        return svc.chat(text_msgs(p), max_tokens=max_tokens, temperature=0).usage.completion_tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        n = sum(pool.map(one, TEXT_PROMPTS))
+    return n / (time.perf_counter() - t0), n
+
+
+def json_rate(svc: Service, n: int) -> str:
+    """Share of ``n`` json_schema (strict) answers that parse and match the schema, or why none was made."""
+    import jsonschema
+    import openai
+
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+    def one(i):
+        r = svc.chat(text_msgs(f"Invent a person number {i} with a name, an age and favourite colours, as JSON."),
+                     max_tokens=96, temperature=0.7, seed=i, response_format=rf)
+        try:
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            ok = sum(pool.map(one, range(n)))
+    except openai.BadRequestError as err:
+        return f"refused (400 {err.code})"
+    return f"{ok}/{n} = {100 * ok / n:.0f}%"
+
+
+def spec_run(svc: Service, rounds: int) -> tuple[float, str]:
+    """(median tokens/s, answer) of a greedy copy-the-passage answer."""
+    msgs = text_msgs(f"Repeat this text exactly, twice:\n{PASSAGE}")
+    rates, text = [], ""
+    svc.chat(msgs, max_tokens=8, temperature=0)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        r = svc.chat(msgs, max_tokens=96, temperature=0)
+        rates.append(r.usage.completion_tokens / (time.perf_counter() - t0))
+        text = r.choices[0].message.content
+    return statistics.median(rates), text
+
+
+def http_latency(svc: Service, rounds: int, max_tokens: int) -> tuple[list[float], int]:
+    msgs = image_msgs(photo_url(0))
+    svc.chat(msgs, max_tokens=max_tokens, temperature=0)  # warm-up (and the image cached, as in-process)
+    out, n = [], 0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        n = svc.chat(msgs, max_tokens=max_tokens, temperature=0).usage.completion_tokens
+        out.append(time.perf_counter() - t0)
+    return out, n
+
+
+def in_process_latency(profile: dict, rounds: int, max_tokens: int) -> tuple[list[float], int]:
+    """The same request on a VLMEngine in this process (for vllm: with its own vLLM server)."""
+    import torch
+
+    from grafting.engine import VLMEngine
+    from services.profiles import parse_profile
+
+    prof = parse_profile(profile)
+    torch.set_num_threads(prof.vlm.deployment.torch_threads or torch.get_num_threads())
+    eng = VLMEngine.from_config(prof.vlm.engine, prof.resolved_model_dir(), backend=prof.vlm.engine.backend)
+    try:
+        if not eng.wait_ready(900):
+            raise SystemExit("the in-process vllm engine did not become ready")
+        msgs = image_msgs(photo_url(0))
+        eng.complete(msgs, max_tokens=max_tokens, temperature=0)
+        out, n = [], 0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            n = eng.complete(msgs, max_tokens=max_tokens, temperature=0).completion_tokens
+            out.append(time.perf_counter() - t0)
+        return out, n
+    finally:
+        eng.close()
+
+
+def routing(base: dict, images: int, rounds: int) -> dict:
+    svc = Service(bench_profile(base, "transformers", replicas=2))
+    try:
+        m0 = svc.metrics()
+        with ThreadPoolExecutor(images) as pool:  # each round: every photo at once, so load spreads them
+            for _ in range(rounds):
+                list(pool.map(lambda i: svc.chat(image_msgs(photo_url(100 + i)), max_tokens=4, temperature=0),
+                              range(images)))
+        m1 = svc.metrics()
+        hits = metric_sum(m1, "chimera_vlm_image_cache_hits_total") - metric_sum(m0, "chimera_vlm_image_cache_hits_total")
+        misses = (metric_sum(m1, "chimera_vlm_image_cache_misses_total")
+                  - metric_sum(m0, "chimera_vlm_image_cache_misses_total"))
+        replicas = len(set(re.findall(r'chimera_vlm_image_cache_entries{[^}]*replica="([^"]+)"', m1)))
+        return {"hits": hits, "misses": misses, "repeats": images * (rounds - 1), "replicas_used": replicas,
+                "startup_s": svc.startup_s}
+    finally:
+        svc.stop()
+
+
+def measure_backend(base: dict, backend: str, a) -> dict:
+    """Items 1, 2, 3 and 5 (HTTP part) on one service of ``backend``."""
+    prof = bench_profile(base, backend)
+    svc = Service(prof)
+    res = {"startup_s": svc.startup_s}
+    try:
+        svc.chat(text_msgs("Hello"), max_tokens=4, temperature=0)  # warm-up
+        url = photo_url(7 if backend == "vllm" else 6)  # an image this service has never seen
+        msgs = image_msgs(url, f"{FACTS}\nWhat is in this picture?")
+        res["ttft_prompt_tokens"] = svc.chat(text_msgs(FACTS), max_tokens=1, temperature=0).usage.prompt_tokens
+        t = [svc.ttft(msgs) for _ in range(5)]
+        res["ttft"] = (t[0], statistics.mean(t[1:]))
+        res["tput"] = {c: throughput(svc, c, a.max_tokens) for c in (1, 4, 8)}
+        res["json"] = json_rate(svc, a.json_requests)
+        res["http"] = http_latency(svc, a.rounds, 16)
+        if backend == "vllm":
+            res["spec_off"] = spec_run(svc, a.rounds)
+        res["rss_gib"] = tree_rss(svc.proc.pid) / 2 ** 30
+    finally:
+        svc.stop()
+    res["inproc"] = in_process_latency(prof, a.rounds, 16)
+    return res
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (Ray's workers and vLLM's processes included)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for p in [root] + root.children(recursive=True):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--json-requests", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.max_tokens, a.json_requests = 1, 16, 8
+    from services.profiles import load_profile, profile_path
+
+    load_profile(a.profile)  # validates
+    base = yaml.safe_load(profile_path(a.profile).read_text())
+    t_all = time.time()
+    tr = measure_backend(base, "transformers", a)
+    vl = measure_backend(base, "vllm", a)
+    svc = Service(bench_profile(base, "vllm", spec=True))
+    try:
+        vl["spec_on"] = spec_run(svc, a.rounds)
+    finally:
+        svc.stop()
+    rt = routing(base, images=6, rounds=4)
+
+    def f(x, unit="s"):
+        return f"{x:.3f} {unit}" if unit == "s" else f"{x:.1f} {unit}"
+
+    print(f"VLM serving through the service ({a.profile} profile, vlm only, batch 8), {time.time() - t_all:.0f} s")
+    print(f"{'':44s}{'transformers':>22s}{'vllm':>22s}")
+    print(f"{'service start-up (to /readyz 200)':44s}{f(tr['startup_s']):>22s}{f(vl['startup_s']):>22s}")
+    print(f"(TTFT prompt: a new photo, 64 image tokens, + a {tr['ttft_prompt_tokens']}-token text document)")
+    for name, key in (("TTFT repeated image: first", 0), ("TTFT repeated image: mean of next 4", 1)):
+        print(f"{name:44s}{f(tr['ttft'][key]):>22s}{f(vl['ttft'][key]):>22s}")
+    print(f"{'  first / next (target >= 5x with vllm)':44s}{tr['ttft'][0] / tr['ttft'][1]:>21.1f}x"
+          f"{vl['ttft'][0] / vl['ttft'][1]:>21.1f}x")
+    seq = tr["tput"][1][0]
+    for c in (1, 4, 8):
+        label = f"throughput, {c} client{'s' if c > 1 else ''}{' (sequential)' if c == 1 else ''}"
+        print(f"{label:44s}{f(tr['tput'][c][0], 'tok/s'):>22s}{f(vl['tput'][c][0], 'tok/s'):>22s}")
+    print(f"{'  8 clients / transformers sequential':44s}{tr['tput'][8][0] / seq:>21.1f}x"
+          f"{vl['tput'][8][0] / seq:>21.1f}x   (target >= 4x with vllm)")
+    print(f"{'  8 clients / own sequential':44s}{tr['tput'][8][0] / seq:>21.1f}x"
+          f"{vl['tput'][8][0] / vl['tput'][1][0]:>21.1f}x")
+    print(f"{f'response_format json_schema valid ({a.json_requests} req)':44s}{tr['json']:>22s}{vl['json']:>22s}")
+    h_tr, h_vl = statistics.median(tr["http"][0]), statistics.median(vl["http"][0])
+    i_tr, i_vl = statistics.median(tr["inproc"][0]), statistics.median(vl["inproc"][0])
+    print(f"{'image QA (16 tokens) over HTTP, median':44s}{f(h_tr):>22s}{f(h_vl):>22s}")
+    print(f"{'same request in-process engine, median':44s}{f(i_tr):>22s}{f(i_vl):>22s}")
+    print(f"{'  HTTP overhead (HTTP - in-process)':44s}{f(h_tr - i_tr):>22s}{f(h_vl - i_vl):>22s}")
+    print(f"{'service resident memory (process tree)':44s}{f(tr['rss_gib'], 'GiB'):>22s}{f(vl['rss_gib'], 'GiB'):>22s}")
+    (on, on_text), (off, off_text) = vl["spec_on"], vl["spec_off"]
+    print(f"speculative decoding (vllm, n-gram k=4), copy-the-passage answer: off {off:.1f} tok/s, on {on:.1f} "
+          f"tok/s = {on / off:.2f}x; greedy answers equal: {on_text == off_text}")
+    rep = rt["repeats"]
+    print(f"2-replica routing (transformers backend, 6 photos at once x 4 rounds): image-cache hits {rt['hits']:.0f} of {rep} "
+          f"repeats = {100 * rt['hits'] / rep:.0f}% (misses {rt['misses']:.0f}, first sights 6), "
+          f"{rt['replicas_used']} replicas used")
+
+
+if __name__ == "__main__":
+    main()
