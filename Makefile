@@ -52,6 +52,7 @@ bench: prepare
 	$(BIN)/python bench/tts_latency.py
 	$(BIN)/python bench/video_chaining.py
 	$(BIN)/python bench/sparse_attention.py
+	$(BIN)/python bench/vlm_serving.py
 
 clean:
 	rm -rf .chimera
