@@ -39,3 +39,50 @@ def test_collapse_reports_are_counted_by_outcome():
     assert _value(metrics.CHAT_COLLAPSES, model=m, outcome="recovered") == 1
     assert _value(metrics.CHAT_COLLAPSES, model=m, outcome="cut_short") == 1
     assert _value(metrics.CHAT_COLLAPSE_RETRIES, model=m) == 2
+
+
+def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model_dir, astronaut):
+    """The real VLM deployment (transformers backend) in this process behind the real FastAPI app; the openai SDK
+    asks about one photo twice: the second answer is the same and /metrics counts one miss then one hit."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from services.app import build_app
+    from services.backends import LocalBackend
+    from services.chat import Deployment
+    from services.profiles import parse_profile
+    from tests.conftest import data_url
+
+    data = profile.model_dump(mode="json")
+    data["video"] = data["tts"] = None
+    data["vlm"]["engine"]["backend"] = "transformers"
+    prof = parse_profile(data)
+    dep = Deployment(prof.vlm.model_dump(mode="json"), str(model_dir))
+    app = build_app(prof, {"vlm": LocalBackend(dep)})
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(astronaut)}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    text = None
+
+    def sample(name: str) -> float:
+        line = next((x for x in text.splitlines() if x.startswith(name + "{") and 'model="chimera-vlm"' in x), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    async def go():
+        nonlocal text
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+            text = (await http.get("/metrics")).text
+            before = (sample("chimera_vlm_image_cache_hits_total"), sample("chimera_vlm_image_cache_misses_total"))
+            answers = [(await client.chat.completions.create(model="chimera-vlm", messages=msgs, max_tokens=8,
+                                                              temperature=0)).choices[0].message.content
+                       for _ in range(2)]
+            text = (await http.get("/metrics")).text
+            after = (sample("chimera_vlm_image_cache_hits_total"), sample("chimera_vlm_image_cache_misses_total"))
+            return before, answers, after
+
+    before, answers, after = asyncio.run(go())
+    assert answers[0] == answers[1]
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 1.0)
+    assert sample("chimera_vlm_image_cache_bytes") == 64 * 576 * 4  # one 224-px photo: 64 tokens x 576 x fp32
