@@ -134,7 +134,7 @@ class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._forget(old - set(self._replica_id_set))
 
     def _forget(self, gone: set[ReplicaID]) -> None:
-        if not gone:
+        if not gone or not hasattr(self, "_where"):  # Serve may update replicas before initialize_state
             return
         for k in list(self._where):
             self._where[k] -= gone
