@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmproc.client import CompletionRequest, CompletionsClient, EngineUnavailableError
+from llmproc.client import CompletionRequest, CompletionsClient, EngineRequestError, EngineUnavailableError
 from llmproc.process import ServerProcess, ServerSpec
 
 from .config import VLMConfig
@@ -97,7 +97,9 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
 
     Context = ``max_prompt_tokens + max_new_tokens``; ``--max-num-seqs`` = ``max_batch_size``;
     ``--generation-config vllm`` so the checkpoint's sampling defaults never override a request (we send every
-    sampling field); ``--enable-prompt-embeds`` for prompts with images."""
+    sampling field); ``--enable-prompt-embeds`` for prompts with images; structured outputs emit compact JSON
+    (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
+    newlines until ``max_tokens``, and an answer cut there does not parse."""
     o = config.vllm
     python = o.python if Path(o.python).is_absolute() else str(REPO_ROOT / o.python)
     args = ["--model", llm_path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or config.dtype,
@@ -105,6 +107,7 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
             "--max-num-seqs", str(config.max_batch_size), "--tensor-parallel-size", str(o.tensor_parallel_size),
             "--enable-prompt-embeds", "--generation-config", "vllm", "--max-logprobs", "20",
             "--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
             "--disable-uvicorn-access-log"]
     if o.enforce_eager:
         args.append("--enforce-eager")
@@ -117,6 +120,17 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
         env.update(OMP_NUM_THREADS=str(o.cpu_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     return ServerSpec(python=python, module=VLLM_MODULE, args=args + list(o.extra_args), env=env,
                       startup_timeout_s=o.startup_timeout_s)
+
+
+def structured_outputs(response_format: dict | None) -> dict | None:
+    """An OpenAI ``response_format`` (as validated by ``VLMEngine.response_format``) -> vLLM's structured outputs:
+    ``{"json": schema}`` or ``{"json_object": True}``. The server runs them without optional whitespace
+    (:func:`server_spec`)."""
+    if response_format is None:
+        return None
+    if response_format["type"] == "json_object":
+        return {"json_object": True}
+    return {"json": response_format["json_schema"]["schema"]}
 
 
 def embeds_payload(embeds: torch.Tensor) -> str:
@@ -169,7 +183,8 @@ class VLLMBackend:
             model=SERVED_NAME, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=params.seed, stop=list(params.stop), stop_token_ids=sorted(self.eos_token_ids),
             repetition_penalty=params.repetition_penalty,  # issue 11 hook: raised by the collapse guard's retry
-            logprobs=params.top_logprobs if params.logprobs else None, response_format=response_format)
+            logprobs=params.top_logprobs if params.logprobs else None,
+            structured_outputs=structured_outputs(response_format))
         if prompt.pixel_values is None:
             req.prompt = prompt.input_ids[0].tolist()
         else:
@@ -177,6 +192,17 @@ class VLLMBackend:
             req.prompt_embeds = await asyncio.to_thread(embeds_payload, embeds)
             req.logit_bias = {str(i): SUPPRESS_BIAS for i in self.model.image_token_ids.all()}
         return req
+
+    async def _stream(self, req: CompletionRequest, structured: bool):
+        """The client's chunks; vLLM compiles a request's grammar after the response has begun, so a refusal then
+        is a schema it cannot compile: it names ``response_format``."""
+        try:
+            async for chunk in self.client.stream(req):
+                yield chunk
+        except EngineRequestError as exc:
+            if structured and exc.param is None:
+                exc.param = "response_format"
+            raise
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        response_format: dict | None = None) -> AsyncIterator[Delta]:
@@ -188,7 +214,7 @@ class VLLMBackend:
             raise EngineUnavailableError(f"the language-model engine is {self.server.state}; retry shortly")
         req = await self.request(prompt, params, response_format)
         n, finish, usage_n = 0, None, None
-        async for chunk in self.client.stream(req):
+        async for chunk in self._stream(req, response_format is not None):
             if chunk.completion_tokens is not None:
                 usage_n = chunk.completion_tokens
                 continue

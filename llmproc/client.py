@@ -6,7 +6,8 @@ of :class:`CompletionChunk` it yields. vLLM specifics relied on (vllm 0.32 ``Com
 ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs ``--enable-prompt-embeds``),
 ``return_token_ids`` (each chunk carries its new token ids), ``return_tokens_as_token_ids`` (logprob tokens as
 ``"token_id:<id>"``, so alternatives are identified by id, not by possibly ambiguous text), ``stop_token_ids``,
-``response_format`` (json_object / json_schema, mapped by vLLM to its structured outputs). Closing the stream
+``structured_outputs`` (vLLM's ``StructuredOutputsParams``: ``json`` schema or ``json_object``, with options such as
+``disable_any_whitespace``). Closing the stream
 early closes the HTTP connection, which makes vLLM abort the request.
 
 Errors: :class:`EngineUnavailableError` (HTTP 503, code ``engine_unavailable``: the engine cannot be reached or
@@ -51,7 +52,8 @@ class CompletionRequest:
     """One ``/v1/completions`` request. Exactly one of ``prompt`` (token ids) and ``prompt_embeds`` (base64
     ``torch.save`` of a ``(T, H)`` float tensor) is set. ``logprobs``: None for none, else the number of top
     alternatives (0-20) besides the sampled token. ``logit_bias``: token id (as a string) -> additive bias.
-    ``response_format``: OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema": {...}}``.
+    ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict, e.g. ``{"json": schema}`` or
+    ``{"json_object": true}``.
     """
 
     model: str
@@ -67,7 +69,7 @@ class CompletionRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def body(self) -> dict[str, Any]:
         """The JSON body (streaming, token ids returned, logprob tokens as ids, usage in the last chunk)."""
@@ -161,8 +163,11 @@ class CompletionsClient:
                         if data == "[DONE]":
                             return
                         obj = json.loads(data)
-                        if "error" in obj:
+                        if "error" in obj:  # after the 200: a request it refuses late (4xx code), or a failure
                             msg, param = _error_message(data)
+                            code = obj["error"].get("code") if isinstance(obj["error"], dict) else None
+                            if isinstance(code, int) and 400 <= code < 500:
+                                raise EngineRequestError(msg, param)
                             raise EngineUnavailableError(f"engine failed mid-request: {msg}")
                         usage = obj.get("usage")
                         for c in obj.get("choices") or []:

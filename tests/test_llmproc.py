@@ -152,3 +152,29 @@ def test_never_orphaned_when_the_supervising_process_is_killed(spec):
     sup.kill()  # SIGKILL: no atexit, no finally; only the kernel's parent-death signal is left
     sup.wait()
     assert wait_until(lambda: not group_members(pgid), 30), group_members(pgid)
+
+
+def test_client_reads_vllm_logprobs_by_token_id_most_likely_first():
+    from llmproc.client import TokenLogprob, parse_logprobs
+
+    lp = {"tokens": ["token_id:5", "token_id:9"], "token_logprobs": [-0.1, -3.0],
+          "top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.0, "token_id:3": -0.5},
+                           # the sampled token comes first in vLLM's dict, even when it is not in the top k
+                           {"token_id:9": -3.0, "token_id:1": -0.2, "token_id:2": -0.4}]}
+    assert parse_logprobs(lp, 2) == [TokenLogprob(5, -0.1, [(5, -0.1), (3, -0.5)]),
+                                     TokenLogprob(9, -3.0, [(1, -0.2), (2, -0.4)])]
+    assert parse_logprobs(lp, 0)[1] == TokenLogprob(9, -3.0, [])
+    assert parse_logprobs(None, 5) is None
+
+
+def test_completion_request_body():
+    from llmproc.client import CompletionRequest
+
+    body = CompletionRequest(model="m", max_tokens=3, prompt=[1, 2]).body()
+    assert body["prompt"] == [1, 2] and "prompt_embeds" not in body and "seed" not in body
+    assert body["stream"] and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert body["stream_options"] == {"include_usage": True}
+    with pytest.raises(ValueError, match="exactly one"):
+        CompletionRequest(model="m", max_tokens=3, prompt=[1], prompt_embeds="AAAA").body()
+    with pytest.raises(ValueError, match="exactly one"):
+        CompletionRequest(model="m", max_tokens=3).body()
