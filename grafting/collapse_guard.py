@@ -19,9 +19,11 @@ only inside a run. Runs of exempt tokens - those whose text, stripped of spaces,
 (default: whitespace, punctuation, digits) - are never held and never fire: markdown table rules (``|---|``),
 indentation, ``....`` and numbers like ``10000`` (SmolLM2 writes digits one token each) are legitimate.
 
-After a rollback the guard detokenises the answer itself (:class:`~grafting.generate.TextStreamer` over all kept
-ids, stop strings included), so text and stop strings are exact across the resume point. Without a collapse it
-passes every event through unchanged: the guard costs nothing to the token-for-token equality of the backends.
+The guard detokenises the answer itself (:class:`~grafting.generate.TextStreamer` over all kept ids, stop strings
+included - the ``transformers`` backend's own detokeniser), so text and stop strings are exact across a resume
+point, and a chunk of several tokens (vLLM with speculative decoding) never smuggles a repeat's text out with the
+token before it. Without a collapse the events are the backend's, with the text each token brings by that
+detokeniser: for the ``transformers`` backend exactly its own events.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ async def guarded_stream(attempt: Attempt, prompt: Prompt, params: SamplingParam
             one whose ``finish_reason`` is set (each generated token carries its ``token_id``); closing it must
             stop the generation (both backends do).
         prompt, params: the request's; config: ``vlm.engine.collapse_guard``; tokenizer: the LLM's (token texts
-            for the exemption, detokenisation after a rollback); report: filled in as it goes.
+            for the exemption, the answer's detokenisation); report: filled in as it goes.
     Yields: Delta events like ``attempt``'s; ``completion_tokens`` counts the kept answer tokens (and the EOS
     token when the answer ends with one, as the backends do). Errors of ``attempt`` propagate unchanged.
     """
@@ -129,19 +131,16 @@ async def guarded_stream(attempt: Attempt, prompt: Prompt, params: SamplingParam
             await stream.aclose()
         return
     runs = RunDetector(config, lambda i: tokenizer.decode([i]))
-    kept: list[int] = []  # answer token ids released to the client (or held but not yet dropped)
-    sent = 0  # characters of answer text released so far
-    own: TextStreamer | None = None  # our detokeniser, from the first rollback on
+    kept: list[int] = []  # answer token ids released to the client
+    own = TextStreamer(tokenizer, params.stop)  # the answer's text, from all kept ids
 
     def release(d: Delta, base: int) -> Delta:
-        nonlocal sent
+        text = ""
         if d.token_id is not None:
             kept.append(d.token_id)
-        if own is not None:
-            text = own.push(d.token_id) if d.token_id is not None else ""
-        else:
-            text = d.text
-        sent += len(text)
+            text = own.push(d.token_id)
+        if d.finish_reason is not None:
+            text += own.flush()
         return dataclasses.replace(d, text=text, completion_tokens=base + d.completion_tokens)
 
     retry = 0
@@ -161,26 +160,21 @@ async def guarded_stream(attempt: Attempt, prompt: Prompt, params: SamplingParam
                             break
                         continue
                 for h in held + [d]:
-                    if h.finish_reason is not None:
-                        tail = own.flush() if own is not None else h.text
-                        yield dataclasses.replace(h, text=tail, completion_tokens=base + h.completion_tokens)
-                        return
-                    yield release(h, base)
-                    if own is not None and own.stopped:  # a stop string completed across the resume point
-                        yield Delta("", None, "stop", len(kept), time.perf_counter())
+                    out = release(h, base)
+                    if own.stopped and out.finish_reason is None:  # a stop string completed across a resume
+                        out = dataclasses.replace(out, finish_reason="stop")
+                    yield out
+                    if out.finish_reason is not None:
                         return
                 held = []
             else:
-                return  # the attempt ended without a final event (it always sends one)
+                return  # the attempt ended without a final event (the backends always send one)
         finally:
             await stream.aclose()
         # collapsed: drop the held repeats, keep the run's first token
         report.collapses += 1
         report.dropped_tokens += sum(1 for h in held if h.token_id is not None)
         runs.rewind_to_first()
-        if own is None:
-            own = TextStreamer(tokenizer, sp.stop)
-            own.ids, own.sent = list(kept), sent
         if retry >= config.max_retries or params.max_new_tokens - len(kept) < 1:
             report.cut_short = True
             yield Delta(own.flush(), None, "stop", len(kept), time.perf_counter())

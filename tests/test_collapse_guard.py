@@ -11,6 +11,7 @@ logit becomes 5.5 / 1.3 = 4.23 < 5.0 and the script goes on: the retry's recover
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -222,3 +223,26 @@ def test_guard_passes_a_real_answer_through_unchanged(profile, model_dir):
     assert [(d.text, d.token_id, d.finish_reason, d.completion_tokens) for d in out] == \
         [(d.text, d.token_id, d.finish_reason, d.completion_tokens) for d in raw]
     assert report.collapses == 0
+
+
+def test_multi_token_chunks_never_leak_a_repeat(tok):
+    """vLLM-style events (speculative decoding: several tokens per chunk, the chunk's text on its first token):
+    the text the client gets is still the guard's own detokenisation of the kept ids."""
+    attempt, prompt, _, _ = _setup(tok, "The cat sat on the mat.", sticky=" the")
+
+    def chunked(p, sp):
+        async def gen():
+            pending = []
+            async for d in attempt(p, sp):
+                pending.append(d)
+                if len(pending) == 3 or d.finish_reason is not None:
+                    text = "".join(x.text for x in pending)
+                    for i, x in enumerate(pending):
+                        yield dataclasses.replace(x, text=text if i == 0 else "")
+                    pending = []
+        return gen()
+
+    out, report = _run(chunked, prompt, GREEDY, CollapseGuardConfig(), tok)
+    texts = [d.text for d in out]
+    assert "".join(texts) == "The cat sat on the mat." and report.retries == 1
+    assert all(" the" not in t for t in texts[5:])
