@@ -63,12 +63,12 @@ class Deployment:
 
     async def stats(self) -> dict:
         """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
-        start; vllm: ``engine_state``, ``engine_pid``, ``engine_restarts``."""
+        start; vllm: ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""
         if self.batcher is not None:
             return {"backend": "transformers", "active": self.batcher.active,
                     "max_batch_seen": self.batcher.max_batch_seen}
         server = self.engine.vllm.server
-        return {"backend": "vllm", "engine_state": server.state, "engine_pid": server.pid,
+        return {"backend": "vllm", "engine_state": server.state, "engine_pid": server.server_pid,
                 "engine_restarts": server.restarts}
 
     def __del__(self):

@@ -77,7 +77,8 @@ def serve_url(profile, model_dir, ray_cluster):
 
     port = free_port()
     url = run(profile, "127.0.0.1", port)
-    deadline = time.time() + 120
+    # /readyz waits for vLLM's server too (vlm.engine.backend: vllm): 1-2 minutes to start on 2 busy cores
+    deadline = time.time() + 600
     while time.time() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:

@@ -162,7 +162,7 @@ def test_metrics_exposed(serve_url):
     assert 'endpoint="/v1/chat/completions"' in text
 
 
-def test_logprobs_through_http_equal_base_llm(openai_client, model_dir):
+def test_logprobs_through_http_equal_base_llm(openai_client, model_dir, profile):
     """With no image, the model's next-token distribution seen through HTTP (logprobs) is the base LLM's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,13 +177,16 @@ def test_logprobs_through_http_equal_base_llm(openai_client, model_dir):
                                               logprobs=True, top_logprobs=5)
     content = r.choices[0].logprobs.content
     new_ids = out.sequences[0, ids.shape[1]:].tolist()
+    # The transformers backend runs the very same kernels as this reference (fp32 rounding only: 1e-5); vLLM's
+    # kernels sum in another order: the bound derived in tests/test_vlm_vllm.py (LOGPROB_TOL, 2e-3 nats).
+    tol = 2e-3 if profile.vlm.engine.backend == "vllm" else 1e-5
     assert [c.token for c in content] == [tok.decode([t]) for t in new_ids if t != tok.eos_token_id]
     for step, c in enumerate(content):
         ref = torch.log_softmax(out.logits[step][0].float(), -1)
         top = torch.topk(ref, 5)
-        assert abs(c.logprob - ref[new_ids[step]].item()) <= 1e-5
+        assert abs(c.logprob - ref[new_ids[step]].item()) <= tol
         assert [t.token for t in c.top_logprobs] == [tok.decode([i]) for i in top.indices.tolist()]
-        assert max(abs(t.logprob - v) for t, v in zip(c.top_logprobs, top.values.tolist())) <= 1e-5
+        assert max(abs(t.logprob - v) for t, v in zip(c.top_logprobs, top.values.tolist())) <= tol
     streamed = [c for ch in openai_client.chat.completions.create(
         model="chimera-vlm", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True)
         if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
