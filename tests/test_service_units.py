@@ -163,10 +163,13 @@ def test_metrics_label_by_route_template_not_raw_path(profile):
 
 @pytest.fixture(scope="module")
 def vlm_deployment(profile, model_dir):
-    """The real VLM deployment class, in this process (no Ray)."""
+    """The real VLM deployment class, in this process (no Ray), on the transformers backend (whose batcher and
+    in-process LLM these tests exercise; the vllm backend's are in tests/test_vlm_vllm.py)."""
     from services.chat import Deployment
 
-    return Deployment(profile.vlm.model_dump(mode="json"), str(model_dir))
+    section = profile.vlm.model_dump(mode="json")
+    section["engine"]["backend"] = "transformers"
+    return Deployment(section, str(model_dir))
 
 
 def test_closing_a_chat_stream_drops_the_request_from_the_batch(vlm_deployment):
