@@ -6,7 +6,9 @@ Usage: ``python guard.py <command> [args...]`` (run by file path, stdlib only, s
 spawns its engine-core and worker processes, which outlive a killed API server unless someone reaps them: the
 guard is that someone. When the command exits (crash, kill), or when the guard gets SIGTERM/SIGINT/SIGHUP
 (supervisor stopping it, or the supervisor's process dying), it sends SIGTERM to the command, waits up to
-``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Exit status: the command's
+``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Should the guard be SIGKILLed
+itself, the command dies with it (``PR_SET_PDEATHSIG``) and the command's own Python children follow their
+parents down (``llmproc/engine_site/sitecustomize.py``, activated by ``LLMPROC_DIE_WITH_PARENT=1``). Exit status: the command's
 (128 + N when the command, or the guard itself, was killed by signal N).
 """
 
@@ -42,7 +44,8 @@ def kill_group_but_me() -> None:
 
 def main(argv: list[str]) -> int:
     """Run ``argv`` guarded (see the module docstring); returns the command's exit status."""
-    child = subprocess.Popen(argv, preexec_fn=_die_with_guard)
+    env = dict(os.environ, LLMPROC_DIE_WITH_PARENT="1")  # llmproc/engine_site/sitecustomize.py, for the command
+    child = subprocess.Popen(argv, env=env, preexec_fn=_die_with_guard)
 
     def down(signum, frame):
         try:

@@ -7,7 +7,9 @@ public, versioned, typed interface (the same boundary vLLM itself draws between 
 :class:`ServerProcess` runs ``<python> -m <module> <args>`` under :mod:`llmproc.guard` in its own session
 (process group). The guard gets ``PR_SET_PDEATHSIG(SIGTERM)``, so the kernel signals it when the supervising
 thread's process dies, even by SIGKILL, and it then kills the whole group (vLLM's API server spawns engine-core and
-worker processes that would otherwise outlive it); ``atexit`` stops it on a clean exit: it is never orphaned. One supervisor thread spawns it (``PR_SET_PDEATHSIG`` fires when the
+worker processes that would otherwise outlive it); if the guard is SIGKILLed too (Ray kills a dying replica's
+children), every engine process follows its dead parent (``llmproc/engine_site/sitecustomize.py``); ``atexit``
+stops it on a clean exit: it is never orphaned. One supervisor thread spawns it (``PR_SET_PDEATHSIG`` fires when the
 *thread* that forked exits, so every spawn happens on that one long-lived thread), polls ``GET /health``, and
 when the process dies or stops answering kills its whole group (vLLM's engine-core workers included) and starts
 it again. ``state`` tells callers whether it can serve (``ready``) or not (``starting`` | ``restarting`` |
@@ -44,6 +46,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 GUARD = str(Path(__file__).resolve().parent / "guard.py")
+ENGINE_SITE = str(Path(__file__).resolve().parent / "engine_site")
 
 
 def _die_with_parent() -> None:  # runs in the guard between fork and exec: SIGTERM lets it sweep its group
@@ -166,6 +169,8 @@ class ServerProcess:
     def _spawn(self) -> None:
         env = dict(os.environ)
         env.update(self.spec.env)
+        # the engine's processes follow a dead parent down (llmproc/engine_site/sitecustomize.py)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ENGINE_SITE, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, GUARD, self.spec.python, "-m", self.spec.module, *self.spec.args,
                 "--host", self.spec.host, "--port", str(self.port)]
         log = open(self.log_path, "ab")

@@ -178,3 +178,24 @@ def test_completion_request_body():
         CompletionRequest(model="m", max_tokens=3, prompt=[1], prompt_embeds="AAAA").body()
     with pytest.raises(ValueError, match="exactly one"):
         CompletionRequest(model="m", max_tokens=3).body()
+
+
+def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec):
+    """Ray SIGKILLs a dying replica's children, the guard among them: the server dies with the guard
+    (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (llmproc/engine_site/sitecustomize.py)."""
+    code = textwrap.dedent(f'''
+        import sys, time
+        from llmproc.process import ServerProcess, ServerSpec
+        s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
+        print("ready" if s.wait_ready(60) else "failed", s.pid, flush=True)
+        time.sleep(600)
+    ''')
+    sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = sup.stdout.readline().split()
+    assert line[0] == "ready"
+    pgid = int(line[1])
+    (server, worker), = pids_of(spec)
+    os.kill(pgid, signal.SIGKILL)  # the guard (the group leader), with no chance to sweep
+    sup.kill()
+    sup.wait()
+    assert wait_until(lambda: not alive(server) and not alive(worker), 30), group_members(pgid)
