@@ -61,6 +61,14 @@ class Deployment:
         its server process is up and healthy."""
         return self.engine.ready()
 
+    def check_health(self) -> None:
+        """Ray Serve's periodic replica health check. Raises RuntimeError when the vllm backend's server has given
+        up (state ``failed``: its starts keep failing), so that Ray replaces the replica; a server that is starting
+        or restarting is healthy (``ready()`` answers for it)."""
+        vllm = self.engine.vllm
+        if vllm is not None and vllm.server.state == "failed":
+            raise RuntimeError(f"the vLLM server failed: {vllm.server.last_error}")
+
     async def stats(self) -> dict:
         """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
         start; vllm: ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""

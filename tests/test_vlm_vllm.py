@@ -160,6 +160,24 @@ def test_prepare_writes_an_llm_config_vllm_accepts(model_dir, tmp_path):
     assert clean_llm_config(tmp_path) is False  # idempotent
 
 
+def test_a_vllm_server_that_cannot_start_fails_the_replica_health_check(vlm_profile, model_dir):
+    """An engine interpreter without vLLM (this venv's own python) exits at every start: the supervisor gives up,
+    readiness stays False, and Ray's health check fails so that Ray replaces the replica."""
+    import sys
+
+    section = copy.deepcopy(vlm_profile.vlm.model_dump(mode="json"))
+    section["engine"]["vllm"]["python"] = sys.executable
+    dep = Deployment(section, str(model_dir))
+    try:
+        dep.check_health()  # starting: healthy
+        assert not dep.engine.wait_ready(120) and dep.engine.vllm.server.state == "failed"
+        assert not asyncio.run(dep.ready())
+        with pytest.raises(RuntimeError, match="the vLLM server failed: engine process exited with code 1; gave up"):
+            dep.check_health()
+    finally:
+        dep.engine.close()
+
+
 def test_greedy_answers_equal_transformers_token_for_token(deployments, vlm_profile, astronaut):
     convs = conversations(astronaut)
 
