@@ -11,7 +11,7 @@ Everything goes over HTTP to ``chimera serve`` (the openai SDK is the client), o
 4. n-gram speculative decoding on vs off (vllm; the profile's ``vlm.engine.vllm.extra_args``): tokens/s of a
    copy-the-passage answer, where n-gram lookup proposes well, and whether the greedy answers are equal;
 5. HTTP overhead: median latency of the same image question over HTTP vs the same engine in this process
-   (measured after the service stopped, so the two never share the 2 cores);
+   (alternated request by request, so both see the same load);
 6. 2-replica routing: 6 photos asked 4 times each on a 2-replica deployment (transformers backend: the router is
    the same for both and one replica costs far less), image-cache hit rate of the repeats from ``/metrics``.
 
@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+JSON_MAX_TOKENS = 200
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "colours": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "colours"], "additionalProperties": False}
@@ -211,7 +212,8 @@ def throughput(svc: Service, clients: int, max_tokens: int) -> tuple[float, int]
 
 
 def json_rate(svc: Service, n: int) -> str:
-    """Share of ``n`` json_schema (strict) answers that parse and match the schema, or why none was made."""
+    """Share of ``n`` json_schema (strict) answers that parse and match the schema (and how many of the others
+    were cut by ``max_tokens``), or why none was made."""
     import jsonschema
     import openai
 
@@ -219,19 +221,20 @@ def json_rate(svc: Service, n: int) -> str:
 
     def one(i):
         r = svc.chat(text_msgs(f"Invent a person number {i} with a name, an age and favourite colours, as JSON."),
-                     max_tokens=96, temperature=0.7, seed=i, response_format=rf)
+                     max_tokens=JSON_MAX_TOKENS, temperature=0.7, seed=i, response_format=rf)
         try:
             jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-            return True
+            return "ok"
         except (ValueError, jsonschema.ValidationError):
-            return False
+            return r.choices[0].finish_reason
 
     try:
         with ThreadPoolExecutor(8) as pool:
-            ok = sum(pool.map(one, range(n)))
+            outcomes = list(pool.map(one, range(n)))
     except openai.BadRequestError as err:
         return f"refused (400 {err.code})"
-    return f"{ok}/{n} = {100 * ok / n:.0f}%"
+    ok, cut = outcomes.count("ok"), outcomes.count("length")
+    return f"{ok}/{n} = {100 * ok / n:.0f}%" + (f" ({cut} cut at max_tokens)" if cut else "")
 
 
 def spec_run(svc: Service, rounds: int) -> tuple[float, str]:
@@ -247,19 +250,9 @@ def spec_run(svc: Service, rounds: int) -> tuple[float, str]:
     return statistics.median(rates), text
 
 
-def http_latency(svc: Service, rounds: int, max_tokens: int) -> tuple[list[float], int]:
-    msgs = image_msgs(photo_url(0))
-    svc.chat(msgs, max_tokens=max_tokens, temperature=0)  # warm-up (and the image cached, as in-process)
-    out, n = [], 0
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        n = svc.chat(msgs, max_tokens=max_tokens, temperature=0).usage.completion_tokens
-        out.append(time.perf_counter() - t0)
-    return out, n
-
-
-def in_process_latency(profile: dict, rounds: int, max_tokens: int) -> tuple[list[float], int]:
-    """The same request on a VLMEngine in this process (for vllm: with its own vLLM server)."""
+def http_vs_in_process(svc: Service, profile: dict, rounds: int, max_tokens: int) -> tuple[list, list]:
+    """Latencies (s) of the same greedy image question over HTTP and on a VLMEngine in this process (for vllm
+    with its own vLLM server), alternated round by round so both see the same machine load."""
     import torch
 
     from grafting.engine import VLMEngine
@@ -268,17 +261,23 @@ def in_process_latency(profile: dict, rounds: int, max_tokens: int) -> tuple[lis
     prof = parse_profile(profile)
     torch.set_num_threads(prof.vlm.deployment.torch_threads or torch.get_num_threads())
     eng = VLMEngine.from_config(prof.vlm.engine, prof.resolved_model_dir(), backend=prof.vlm.engine.backend)
+    msgs = image_msgs(photo_url(0))
     try:
         if not eng.wait_ready(900):
             raise SystemExit("the in-process vllm engine did not become ready")
-        msgs = image_msgs(photo_url(0))
-        eng.complete(msgs, max_tokens=max_tokens, temperature=0)
-        out, n = [], 0
+        eng.complete(msgs, max_tokens=max_tokens, temperature=0)  # warm-up (and the image cached), both paths
+        svc.chat(msgs, max_tokens=max_tokens, temperature=0)
+        http, local = [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            n = eng.complete(msgs, max_tokens=max_tokens, temperature=0).completion_tokens
-            out.append(time.perf_counter() - t0)
-        return out, n
+            n1 = eng.complete(msgs, max_tokens=max_tokens, temperature=0).completion_tokens
+            local.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            n2 = svc.chat(msgs, max_tokens=max_tokens, temperature=0).usage.completion_tokens
+            http.append(time.perf_counter() - t0)
+            if n1 != n2:
+                raise SystemExit(f"in-process and HTTP answers differ in length ({n1} vs {n2})")
+        return http, local
     finally:
         eng.close()
 
@@ -316,13 +315,12 @@ def measure_backend(base: dict, backend: str, a) -> dict:
         res["ttft"] = (t[0], statistics.mean(t[1:]))
         res["tput"] = {c: throughput(svc, c, a.max_tokens) for c in (1, 4, 8)}
         res["json"] = json_rate(svc, a.json_requests)
-        res["http"] = http_latency(svc, a.rounds, 16)
         if backend == "vllm":
             res["spec_off"] = spec_run(svc, a.rounds)
         res["rss_gib"] = tree_rss(svc.proc.pid) / 2 ** 30
+        res["http"], res["inproc"] = http_vs_in_process(svc, prof, a.rounds + 2, 16)
     finally:
         svc.stop()
-    res["inproc"] = in_process_latency(prof, a.rounds, 16)
     return res
 
 
@@ -383,9 +381,9 @@ def main() -> None:
           f"{vl['tput'][8][0] / seq:>21.1f}x   (target >= 4x with vllm)")
     print(f"{'  8 clients / own sequential':44s}{tr['tput'][8][0] / seq:>21.1f}x"
           f"{vl['tput'][8][0] / vl['tput'][1][0]:>21.1f}x")
-    print(f"{f'response_format json_schema valid ({a.json_requests} req)':44s}{tr['json']:>22s}{vl['json']:>22s}")
-    h_tr, h_vl = statistics.median(tr["http"][0]), statistics.median(vl["http"][0])
-    i_tr, i_vl = statistics.median(tr["inproc"][0]), statistics.median(vl["inproc"][0])
+    print(f"{f'response_format json_schema valid ({a.json_requests} req)':44s}{tr['json']:>22s}  {vl['json']}")
+    h_tr, h_vl = statistics.median(tr["http"]), statistics.median(vl["http"])
+    i_tr, i_vl = statistics.median(tr["inproc"]), statistics.median(vl["inproc"])
     print(f"{'image QA (16 tokens) over HTTP, median':44s}{f(h_tr):>22s}{f(h_vl):>22s}")
     print(f"{'same request in-process engine, median':44s}{f(i_tr):>22s}{f(i_vl):>22s}")
     print(f"{'  HTTP overhead (HTTP - in-process)':44s}{f(h_tr - i_tr):>22s}{f(h_vl - i_vl):>22s}")
