@@ -155,7 +155,11 @@ class VLLMBackend:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.server = ServerProcess(server_spec(config, llm_path))
-        self.client = CompletionsClient(self.server.base_url)
+
+    @property
+    def client(self) -> CompletionsClient:
+        """A client of the server's current address (it moves after a failed start)."""
+        return CompletionsClient(self.server.base_url)
 
     def start(self) -> "VLLMBackend":
         """Spawn the server under supervision (returns at once; see :meth:`ready`)."""

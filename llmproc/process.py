@@ -81,8 +81,9 @@ class ServerSpec:
 class ServerProcess:
     """Supervisor of one engine server process (see the module docstring).
 
-    ``start()`` returns at once; ``wait_ready(timeout)`` blocks until healthy. ``base_url`` is fixed for the
-    supervisor's life (the port is chosen once). ``restarts`` counts restarts after deaths; ``pid`` is the
+    ``start()`` returns at once; ``wait_ready(timeout)`` blocks until healthy. ``base_url`` keeps its port across
+    restarts after a death; after a failed start the port is chosen afresh (another process may have taken it
+    between the choice and the server's bind), so read ``base_url`` per request. ``restarts`` counts restarts after deaths; ``pid`` is the
     current process's id (None when none runs). ``stop()`` kills the group and ends supervision; idempotent.
     Raises FileNotFoundError from ``start()`` when ``spec.python`` does not exist (run ``make install``).
     """
@@ -237,6 +238,9 @@ class ServerProcess:
             self._set_state("restarting")
             self._terminate(grace_s=0.0)
             failed_starts += 0 if became_ready else 1
+            if not became_ready:
+                self.port = free_port(self.spec.host)
+                self.base_url = f"http://{self.spec.host}:{self.port}"
             if failed_starts >= self.spec.max_start_failures:
                 self.last_error = f"{self.last_error}; gave up after {failed_starts} failed starts"
                 self._set_state("failed")

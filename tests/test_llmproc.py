@@ -199,3 +199,21 @@ def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec):
     sup.kill()
     sup.wait()
     assert wait_until(lambda: not alive(server) and not alive(worker), 30), group_members(pgid)
+
+
+def test_a_taken_port_costs_one_failed_start_then_another_port_serves(spec):
+    import socket
+
+    s = ServerProcess(spec)
+    taken = s.port
+    with socket.socket() as blocker:  # someone else binds the chosen port before the server does
+        blocker.bind(("127.0.0.1", taken))
+        blocker.listen()
+        s.start()
+        try:
+            assert s.wait_ready(60)
+            assert s.restarts == 1 and s.port != taken and s.base_url == f"http://127.0.0.1:{s.port}"
+            assert "exited with code 1" in s.last_error
+            assert httpx.get(f"{s.base_url}/health").status_code == 200
+        finally:
+            s.stop()
