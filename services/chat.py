@@ -52,6 +52,11 @@ class Deployment:
         """True once the engine is loaded (the constructor has returned)."""
         return True
 
+    def __del__(self):
+        """Replica shutdown (Ray Serve calls this once in-flight requests are done): stop the batcher thread."""
+        if hasattr(self, "engine"):
+            self.engine.close()
+
     async def stats(self) -> dict:
         """Batcher state: ``active`` rows being decoded now, ``max_batch_seen`` since start."""
         return {"active": self.batcher.active, "max_batch_seen": self.batcher.max_batch_seen}
