@@ -27,7 +27,17 @@ from .snac_stream import SAMPLE_RATE, StreamingDecoder, load_snac
 from .text import clean_sentence, has_speech, split_sentences
 from .validate import check_seed, check_speakable, check_speed, check_text, check_voice
 
-__all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled"]
+__all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled", "NoAudioError"]
+
+
+class NoAudioError(RuntimeError):
+    """A synthesis that had something to say produced no audio at all (every spoken sentence was a loop cut
+    back to nothing by the loop guard; a sentence can never end before its first frame). Answered as HTTP 500
+    ``no_audio``, never as an empty file: ``status_code``, ``code`` and ``param`` are read by the service."""
+
+    status_code = 500
+    code = "no_audio"
+    param = None
 
 
 @dataclass
@@ -83,8 +93,12 @@ class TTSEngine:
 
     # --- request pieces -------------------------------------------------------------------------------------
     def prompt(self, voice: str, text: str) -> list[int]:
-        """Prompt ids for ``text`` in ``voice`` (text tokenized alone; special ids added as ids)."""
-        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}").input_ids)
+        """Prompt ids for ``text`` in ``voice`` (text tokenized alone; special ids added as ids).
+
+        The client's text is always plain text: ``split_special_tokens=True`` makes the tokenizer read
+        ``<|eot_id|>``, ``<|endoftext|>`` or any other special token's spelling as ordinary characters, so no
+        text can forge a control id. The tokenizer's own template (Llama-3's ``<|begin_of_text|>``) is kept."""
+        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}", split_special_tokens=True).input_ids)
 
     def max_frames_for(self, text: str) -> int:
         """Maximum frames of a sentence: ``frames_per_char * len(text)`` within ``[min_frames, max_frames]``."""
@@ -108,7 +122,9 @@ class TTSEngine:
         """Synthesize raw ``sentences`` in order, yielding :class:`SpeechAudio` as it is decoded and a final
         :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (so the
         same text split into any calls gives the same audio). ``cancel`` stops within one token: raises
-        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``)."""
+        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``), and
+        :class:`NoAudioError` (while iterating, before :class:`SpeechDone`) when sentences with something to say
+        gave no sample at all."""
         voice = check_voice(self.cfg, voice)
         speed = check_speed(self.cfg, speed)
         seed = self.cfg.seed if seed is None else check_seed(seed)
@@ -152,5 +168,8 @@ class TTSEngine:
             yield SpeechAudio(out, first_index + max(0, len(sentences) - 1))
         usage["audio_seconds"] = round(n_samples / SAMPLE_RATE, 4)
         usage["generation_seconds"] = round(time.perf_counter() - t0, 4)
+        if usage["sentences"] and not n_samples:
+            raise NoAudioError("the speech model produced no audio for this input (the loop guard cut every "
+                               "sentence back to nothing); try another seed")
         yield SpeechDone(usage)
 
