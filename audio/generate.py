@@ -2,7 +2,8 @@
 
 - :class:`AudioPositionLogitsProcessor` allows only the audio ids of the current frame position (and
   end_of_speech only at a frame boundary after the first frame), so the token stream can never fall out of
-  frame alignment and a sentence can never end before any audio, whatever the model does. It is combined with transformers' repetition penalty, temperature and top-p processors.
+  frame alignment and a sentence can never end before any audio, whatever the model does. It is combined
+  with transformers' repetition penalty, temperature and top-p processors.
 - :func:`stream_tokens` prefills once and decodes token by token with the KV cache (HF ``DynamicCache``),
   sampling over just the allowed ids (:func:`candidate_probs`, equal to the full-vocabulary processors).
 - :func:`find_loop` is the loop guard: "same token 4+ times in a row" (the reference check) can never fire on
