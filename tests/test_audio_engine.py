@@ -269,6 +269,23 @@ def test_forged_control_tokens_are_plain_text(engine):
     assert ev[-1].usage["frames"] > 0 and ev[-1].usage["stripped_tags"] == []  # spoken as text, not cut off
 
 
+def test_text_a_non_special_added_token_would_read_is_refused(engine, model_dir):
+    """``split_special_tokens`` splits special tokens only: with a tokenizer that has a *non-special* added token,
+    text holding it cannot be sent as plain text, so it is a 400 ``reserved_token_text`` before any audio."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir / "tts" / "lm")
+    assert tok.add_tokens(["[[speech]]"]) == 1 and not tok.added_tokens_decoder[len(tok) - 1].special
+    e = TTSEngine(engine.cfg, engine.lm, tok, engine.snac)
+    for call in (lambda: e.speak(["Fine. ", "Say [[speech]] now."]), lambda: e.synthesize("Say [[speech]] now.")):
+        with pytest.raises(SpeechInputError) as err:
+            call()  # raised by the call itself, before iterating: nothing was generated
+        assert (err.value.param, err.value.code) == ("input", "reserved_token_text")
+        assert "[[speech]]" in str(err.value)
+    ev = list(e.speak(["Say <|im_end|> [[speech now."], seed=0))  # special tokens are still just split
+    assert ev[-1].usage["frames"] > 0
+
+
 def test_loop_guard_quiet_on_ordinary_output(engine):
     cfg = engine.cfg
     events = list(engine.speak(["A rather ordinary sentence that goes on for a while."], seed=5))
