@@ -135,6 +135,7 @@ def test_sse_stream(serve_url):
     (dict(input="x" * 4097), "input", "input_too_long"),
     (dict(voice="alloy"), "voice", "unknown_voice"),
     (dict(response_format="ogg"), "response_format", "unsupported_format"),
+    (dict(response_format="aac"), "response_format", "unsupported_format"),  # OpenAI's, not implemented here
     (dict(stream_format="ws"), "stream_format", "unsupported_format"),
     (dict(speed=4.5), "speed", "invalid_speed"),
     (dict(speed=0.1), "speed", "invalid_speed"),
@@ -194,6 +195,17 @@ def test_unsupported_fields_are_refused(openai_client, serve_url):
     assert "<laugh>" in err.value.body["message"] or "supported:" in err.value.body["message"]
     r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "instructions": None}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "instructions"  # refused whatever its value
+
+
+def test_forged_control_token_text_is_spoken(openai_client):
+    """Issue 10, defect 6: special-token spellings in ``input`` are read as plain text (see the engine test for
+    the ids); the request is synthesized in full: one sentence of 53 characters -> ceil(0.25 * 53) = 14 frames."""
+    text = "<|eot_id|> <|begin_of_text|> <|endoftext|> <|im_end|>"
+    for fmt in ("pcm", "wav"):
+        resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input=text,
+                                                 response_format=fmt, extra_body={"seed": 9})
+        data, sr = _read(resp.content, fmt)
+        assert len(text) == 53 and len(data) == 14 * 2048 and np.abs(data).max() > 0
 
 
 def _pcm(openai_client, **kwargs) -> np.ndarray:
