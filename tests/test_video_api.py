@@ -152,6 +152,25 @@ def test_vllm_omni_fields_in_json(serve_url, openai_client):
     assert frames.shape == (5, 64, 32, 3) and fps == 4 and v.seconds == "1.25"  # one 5-frame clip, no seconds
 
 
+def test_non_ascii_text_in_every_body_encoding(serve_url, openai_client):
+    """Valid UTF-8 stays text in multipart (the SDK), urlencoded (raw and %-encoded) and JSON bodies; only text
+    that is not valid Unicode is refused (``invalid_unicode``, tested with the bad requests)."""
+    prompt = "café ☕ über"
+    v = openai_client.videos.create(prompt=prompt, size="64x64", extra_body=FAST)
+    sent = [(v.id, v.prompt)]
+    for kw in ({"content": b"prompt=caf%C3%A9+%E2%98%95+%C3%BCber&size=64x64&num_inference_steps=2",
+                "headers": {"content-type": "application/x-www-form-urlencoded"}},
+               {"content": "prompt=café ☕ über&size=64x64&num_inference_steps=2".encode(),
+                "headers": {"content-type": "application/x-www-form-urlencoded"}},
+               {"json": {"prompt": prompt, "size": "64x64", "num_inference_steps": 2}}):
+        r = httpx.post(f"{serve_url}/v1/videos", **kw)
+        assert r.status_code == 200, r.text
+        sent.append((r.json()["id"], r.json()["prompt"]))
+    assert [p for _, p in sent] == [prompt] * 4
+    for video_id, _ in sent:
+        assert openai_client.videos.delete(video_id).deleted is True
+
+
 def test_download_of_an_unfinished_job_is_409(openai_client, serve_url):
     v = openai_client.videos.create(prompt="slow", seconds="32", size="128x128",
                                     extra_body={"num_inference_steps": 50})
