@@ -125,6 +125,7 @@ def test_every_readme_example_is_run_and_shows_its_output():
 
 @pytest.mark.parametrize("block", EXAMPLES, ids=[f"README.md:{b.line}-{b.lang}" for b in EXAMPLES])
 def test_readme_example(block, serve_url, tmp_path):
+    assert block.shown is not None, f"README.md:{block.line}: no ```text block with its output follows it"
     host_port = urlsplit(serve_url).netloc
     code = block.code.replace(BASE, host_port).replace(".venv/bin/python", sys.executable)
     if block.lang == "python":
