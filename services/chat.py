@@ -12,6 +12,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -133,7 +134,7 @@ def _is_number(v: Any, value: float) -> bool:
 
 # OpenAI chat fields the service does not implement, each with the values that mean exactly what leaving the
 # field out means (null always does). Any other value is a 400 ``unsupported_parameter`` naming the field.
-NO_OP_VALUES: dict[str, Any] = {
+NO_OP_VALUES: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: False,
     "frequency_penalty": lambda v: _is_number(v, 0),
     "function_call": lambda v: v == "none",
