@@ -1,6 +1,6 @@
-"""``chimera serve`` as a user runs it: started as a subprocess, stopped with SIGTERM (``kill``) or SIGINT sent to
-its process group (what a terminal's Ctrl-C does). Issue 10, defect 8: stopping took about 36 s with SIGTERM
-and logged a controller timeout, about 9 s with Ctrl-C.
+"""``chimera serve`` as a user runs it: started as a subprocess, stopped with SIGTERM (``kill <pid>``) or SIGINT to
+its process group (what a terminal's Ctrl-C does). Issue 10, defect 8: stopping took about 36 s with SIGTERM and
+logged a controller timeout ("Controller failed to shut down within 30.0s"), about 9 s with Ctrl-C.
 
 Starts the Ray Serve stack: run under the e2e lock (``flock /tmp/chimera-e2e.lock``)."""
 
@@ -23,7 +23,8 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parent.parent
 # A ceiling far above a clean stop (a few seconds, printed by the test) and far below a hang; it does not have to
 # track machine speed: a shutdown that waits on a timeout (Serve's controller gives up after 30 s, replicas after
-# 20 s) would still pass a tighter-looking bound on a fast machine, which is why the log is checked as well.
+# 20 s) would still pass a tighter-looking bound on a fast machine, which is why the log is checked as well
+# (Serve logs "Controller failed to shut down within 30.0s" then).
 STOP_CEILING_S = 60
 READY_CEILING_S = 600  # start-up: loading three model families on a loaded 2-core machine
 
@@ -34,7 +35,7 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT-group"])
 def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
     """After /readyz and one chat answer (so the VLM's batcher thread has run), the signal makes ``chimera
     serve`` exit with code 0 within STOP_CEILING_S, print "shutting down", leave no process of its tree alive, and
@@ -65,10 +66,11 @@ def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
         assert len(tree) > 3  # GCS, raylet and workers are there to be checked
 
         t0 = time.monotonic()
-        if signame == "SIGINT":
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        sig = signal.SIGINT if signame.startswith("SIGINT") else signal.SIGTERM
+        if signame.endswith("-group"):
+            os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group, Ray's processes too
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         rc = proc.wait(STOP_CEILING_S)
         stop_s = time.monotonic() - t0
         print(f"\nchimera serve: {signame} -> exit {rc} in {stop_s:.1f} s")
@@ -78,7 +80,8 @@ def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
         assert alive == [], [(p.pid, p.name()) for p in alive]
         text = log_path.read_text()
         assert "shutting down" in text
-        assert "timeout" not in text.lower() and "timed out" not in text.lower(), text[-3000:]
+        lower = text.lower()
+        assert not any(w in lower for w in ("timeout", "timed out", "failed to shut down")), text[-3000:]
         assert "Traceback" not in text, text[-3000:]
     finally:
         if proc.poll() is None:
