@@ -46,13 +46,12 @@ test: prepare
 	$(BIN)/python -m pytest -q
 
 # Each prints ratios measured side by side in one run (the machine is noisy; absolute times are not the point).
+# All of them run even if one fails; then make fails, naming the failed ones.
+BENCHES := service_overhead vlm_batching vlm_serving tts_latency video_chaining sparse_attention
 bench: prepare
-	$(BIN)/python bench/service_overhead.py
-	$(BIN)/python bench/vlm_batching.py
-	$(BIN)/python bench/tts_latency.py
-	$(BIN)/python bench/video_chaining.py
-	$(BIN)/python bench/sparse_attention.py
-	$(BIN)/python bench/vlm_serving.py
+	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py"; \
+	  $(BIN)/python bench/$$b.py || failed="$$failed $$b"; done; \
+	  if [ -n "$$failed" ]; then echo "make bench: failed:$$failed" >&2; exit 1; fi
 
 clean:
 	rm -rf .chimera

@@ -25,9 +25,19 @@ from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
 from .snac_stream import SAMPLE_RATE, StreamingDecoder, load_snac
 from .text import clean_sentence, has_speech, split_sentences
-from .validate import check_seed, check_speakable, check_speed, check_text, check_voice
+from .validate import SpeechInputError, check_seed, check_speakable, check_speed, check_text, check_voice
 
-__all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled"]
+__all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled", "NoAudioError"]
+
+
+class NoAudioError(RuntimeError):
+    """A synthesis that had something to say produced no audio at all (every spoken sentence was a loop cut
+    back to nothing by the loop guard; a sentence can never end before its first frame). Answered as HTTP 500
+    ``no_audio``, never as an empty file: ``status_code``, ``code`` and ``param`` are read by the service."""
+
+    status_code = 500
+    code = "no_audio"
+    param = None
 
 
 @dataclass
@@ -65,6 +75,10 @@ class TTSEngine:
     def __init__(self, cfg: TTSConfig, lm, tokenizer, snac):
         self.cfg, self.lm, self.tokenizer, self.snac = cfg, lm, tokenizer, snac
         self.layout = TokenLayout(cfg.layout)
+        c = cfg.layout  # ids no client text may produce (see check_plain_text)
+        self.control_ids = {c.start_of_speech, c.end_of_speech, c.start_of_human, c.end_of_human, c.start_of_ai,
+                            c.end_of_ai, c.pad, c.end_of_text, *tokenizer.all_special_ids,
+                            *(i for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip())}
 
     @classmethod
     def from_config(cls, cfg: TTSConfig, model_dir: str | Path) -> "TTSEngine":
@@ -83,8 +97,23 @@ class TTSEngine:
 
     # --- request pieces -------------------------------------------------------------------------------------
     def prompt(self, voice: str, text: str) -> list[int]:
-        """Prompt ids for ``text`` in ``voice`` (text tokenized alone; special ids added as ids)."""
-        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}").input_ids)
+        """Prompt ids for ``text`` in ``voice`` (text tokenized alone; special ids added as ids).
+
+        The client's text is always plain text: ``split_special_tokens=True`` makes the tokenizer read
+        ``<|eot_id|>``, ``<|endoftext|>`` or any other special token's spelling as ordinary characters, so no
+        text can forge a control id. The tokenizer's own template (Llama-3's ``<|begin_of_text|>``) is kept."""
+        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}", split_special_tokens=True).input_ids)
+
+    def check_plain_text(self, voice: str, text: str) -> None:
+        """Raise SpeechInputError (``input``, ``reserved_token_text``) when ``"{voice}: {text}"`` would still
+        tokenize to a control id (:attr:`control_ids`: the layout's special ids, the tokenizer's special and
+        added tokens, or an audio id). ``split_special_tokens`` only splits *special* tokens, so this is the one
+        case left: a tokenizer with a non-special added token, whose text cannot be sent as plain text."""
+        ids = self.tokenizer(f"{voice}: {text}", add_special_tokens=False, split_special_tokens=True).input_ids
+        bad = [i for i in ids if i in self.control_ids or self.layout.audio_start <= i < self.layout.audio_end]
+        if bad:
+            raise SpeechInputError(f"'input' holds {self.tokenizer.decode(bad[:1])!r}, which the speech model's "
+                                   "tokenizer reads as a control token, not as text", "input", "reserved_token_text")
 
     def max_frames_for(self, text: str) -> int:
         """Maximum frames of a sentence: ``frames_per_char * len(text)`` within ``[min_frames, max_frames]``."""
@@ -108,12 +137,17 @@ class TTSEngine:
         """Synthesize raw ``sentences`` in order, yielding :class:`SpeechAudio` as it is decoded and a final
         :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (so the
         same text split into any calls gives the same audio). ``cancel`` stops within one token: raises
-        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``)."""
+        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``) or text
+        that cannot be sent as plain text (:meth:`check_plain_text`), and
+        :class:`NoAudioError` (while iterating, before :class:`SpeechDone`) when sentences with something to say
+        gave no sample at all."""
         voice = check_voice(self.cfg, voice)
         speed = check_speed(self.cfg, speed)
         seed = self.cfg.seed if seed is None else check_seed(seed)
         if seed is None:
             seed = random.randrange(2**31)
+        for raw in sentences:  # before any audio: an answer (400), not a broken stream
+            self.check_plain_text(voice, clean_sentence(raw, self.cfg.tags)[0])
         return self._speak(sentences, voice, speed, seed, first_index, cancel)
 
     def _speak(self, sentences, voice, speed, seed, first_index, cancel):
@@ -152,5 +186,8 @@ class TTSEngine:
             yield SpeechAudio(out, first_index + max(0, len(sentences) - 1))
         usage["audio_seconds"] = round(n_samples / SAMPLE_RATE, 4)
         usage["generation_seconds"] = round(time.perf_counter() - t0, 4)
+        if usage["sentences"] and not n_samples:
+            raise NoAudioError("the speech model produced no audio for this input (the loop guard cut every "
+                               "sentence back to nothing); try another seed")
         yield SpeechDone(usage)
 

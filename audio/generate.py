@@ -1,8 +1,9 @@
 """Audio-token generation for an Orpheus-layout LM: constrained sampling, KV-cache decode, loop guard.
 
 - :class:`AudioPositionLogitsProcessor` allows only the audio ids of the current frame position (and
-  end_of_speech only at a frame boundary), so the token stream can never fall out of frame alignment, whatever
-  the model does. It is combined with transformers' repetition penalty, temperature and top-p processors.
+  end_of_speech only at a frame boundary after the first frame), so the token stream can never fall out of
+  frame alignment and a sentence can never end before any audio, whatever the model does. It is combined
+  with transformers' repetition penalty, temperature and top-p processors.
 - :func:`stream_tokens` prefills once and decodes token by token with the KV cache (HF ``DynamicCache``),
   sampling over just the allowed ids (:func:`candidate_probs`, equal to the full-vocabulary processors).
 - :func:`find_loop` is the loop guard: "same token 4+ times in a row" (the reference check) can never fire on
@@ -38,7 +39,10 @@ class Cancelled(Exception):
 
 class AudioPositionLogitsProcessor(LogitsProcessor):
     """Mask every id except the audio ids of frame position ``n_generated % 7`` (``n_generated`` = tokens after
-    the prompt) and, at a frame boundary, end_of_speech (unless ``allow_end`` is False).
+    the prompt) and, at a frame boundary after at least one frame, end_of_speech (unless ``allow_end`` is
+    False). end_of_speech straight after the prompt would be a sentence with no audio at all (a 44-byte WAV):
+    it is never a candidate, so the first frame is sampled from the audio ids alone (the model's distribution
+    conditioned on not ending at once).
 
     ``scores``: float ``(batch, vocab)``; returns the masked scores (same shape, -inf elsewhere). A drop-in for
     ``model.generate(logits_processor=...)``; :func:`stream_tokens` samples the same distribution faster
@@ -52,10 +56,16 @@ class AudioPositionLogitsProcessor(LogitsProcessor):
         lo, hi = self.layout.position_range(pos)
         masked = torch.full_like(scores, float("-inf"))
         masked[:, lo:hi] = scores[:, lo:hi]
-        if pos == 0 and self.allow_end:
+        if ends_allowed(input_ids.shape[1] - self.prompt_len, self.layout, self.allow_end):
             e = self.layout.end_of_speech
             masked[:, e] = scores[:, e]
         return masked
+
+
+def ends_allowed(n_generated: int, layout: TokenLayout, allow_end: bool = True) -> bool:
+    """Whether end_of_speech may follow ``n_generated`` audio tokens: at a frame boundary, after at least one
+    complete frame (``n_generated`` a positive multiple of ``layout.positions``), and only if ``allow_end``."""
+    return allow_end and n_generated > 0 and n_generated % layout.positions == 0
 
 
 def make_processors(layout: TokenLayout, prompt_len: int, sampling: SamplingConfig,
@@ -76,14 +86,15 @@ def candidate_probs(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int, sa
     """Next-token distribution restricted to the ids :class:`AudioPositionLogitsProcessor` allows.
 
     ``logits``: float ``(vocab,)`` of the last position; ``ids``: long ``(1, seq)`` prompt + generated ids.
-    Returns ``(candidate_ids (k,), probs (k,) float32)``, k = 4096 (+1 for end_of_speech at a frame boundary).
+    Returns ``(candidate_ids (k,), probs (k,) float32)``, k = 4096 (+1 for end_of_speech where
+    :func:`ends_allowed`).
     Identical to running :func:`make_processors` over the whole vocabulary and softmaxing (masked ids have
     probability 0), but sorts and samples 4k entries instead of the vocabulary (Llama-3: 157k): about 2x
     faster decoding on the cpu profile. Temperature 0: all mass on the argmax."""
     pos = (ids.shape[1] - prompt_len) % layout.positions
     lo, hi = layout.position_range(pos)
     cand = torch.arange(lo, hi, device=logits.device)
-    if pos == 0 and allow_end:
+    if ends_allowed(ids.shape[1] - prompt_len, layout, allow_end):
         cand = torch.cat([cand, torch.tensor([layout.end_of_speech], device=logits.device)])
     scores = logits[cand].float()[None]
     gen = ids[0, prompt_len:]

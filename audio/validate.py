@@ -10,6 +10,14 @@ from .text import clean_sentence, has_speech
 
 RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus")
 STREAM_FORMATS = ("audio", "sse")
+# Every field of POST /v1/audio/speech that has an effect (OpenAI's, then ours); any other is refused.
+SPEECH_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_format", "seed", "stream")
+# Fields of the websocket's session.update "session" object.
+SESSION_FIELDS = ("model", "voice", "speed", "seed")
+_UNSUPPORTED_HINTS = {
+    "instructions": "Orpheus takes no voice instructions: pick a 'voice' and put emotion tags such as <laugh> or "
+                    "<sigh> in the text",
+}
 
 
 class SpeechInputError(ValueError):
@@ -20,10 +28,59 @@ class SpeechInputError(ValueError):
         self.param, self.code = param, code
 
 
+def check_fields(obj: dict, allowed: tuple[str, ...], where: str = "") -> None:
+    """Every key of ``obj`` must be in ``allowed``: a field we do not implement is never accepted and ignored.
+    Raises SpeechInputError ``unsupported_parameter`` naming the first other key (``where`` prefixes it:
+    ``session.instructions``)."""
+    for name in obj:
+        if name not in allowed:
+            param = f"{where}.{name}" if where else str(name)
+            hint = _UNSUPPORTED_HINTS.get(name, "supported: " + ", ".join(allowed))
+            raise SpeechInputError(f"'{param}' is not supported ({hint})", param, "unsupported_parameter")
+
+
+def find_invalid_unicode(value, path: str = "") -> str | None:
+    """Path (``text``, ``session.voice``) of the first string in ``value`` (a parsed JSON value: keys, values,
+    items at any depth) that cannot be encoded as UTF-8, i.e. holds a lone UTF-16 surrogate (what the JSON
+    escape ``"\\ud800"`` decodes to); None when every string is valid Unicode text."""
+    def bad(s) -> bool:
+        if not isinstance(s, str) or s.isascii():
+            return False
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    if isinstance(value, str):
+        return (path or "value") if bad(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
+        if bad(k):
+            return path or "value"
+        found = find_invalid_unicode(v, sub)
+        if found:
+            return found
+    return None
+
+
+def check_unicode(value, param: str) -> None:
+    """Raise SpeechInputError ``invalid_unicode`` when :func:`find_invalid_unicode` finds a bad string in
+    ``value`` (the tokenizer cannot read it)."""
+    where = find_invalid_unicode(value, param)
+    if where is not None:
+        where = where.encode("utf-8", "backslashreplace").decode()
+        raise SpeechInputError(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text "
+                               "(send UTF-8 text)", where, "invalid_unicode")
+
+
 def check_text(cfg: TTSConfig, text) -> str:
-    """``text`` must be a non-blank string of at most ``cfg.max_input_chars`` characters."""
+    """``text`` must be a non-blank string of valid Unicode (:func:`check_unicode`) of at most
+    ``cfg.max_input_chars`` characters."""
     if not isinstance(text, str):
         raise SpeechInputError("'input' must be a string", "input", "invalid_type")
+    check_unicode(text, "input")
     if not text.strip():
         raise SpeechInputError("'input' is empty", "input", "empty_input")
     if len(text) > cfg.max_input_chars:

@@ -124,11 +124,22 @@ def main() -> None:
         print(f"ratio HTTP / in-process: {h / e:.3f}   (target <= 1.15)")
         print(f"service resident memory (whole process tree): {rss / 2**30:.2f} GiB   (target < 6 GB)")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        # SIGTERM to the CLI alone, as `kill <pid>` does: it stops Serve and then the Ray it started. (Signalling the
+        # whole group would kill Ray's own processes under the shutdown.)
+        t0 = time.perf_counter()
+        server.send_signal(signal.SIGTERM)
         try:
-            server.wait(30)
+            rc = server.wait(120)
+            print(f"service stop on SIGTERM: exit code {rc} after {time.perf_counter() - t0:.1f} s")
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            rc = None
+            print("service did not stop within 120 s of SIGTERM: killed")
+        try:
+            os.killpg(server.pid, signal.SIGKILL)  # anything of its process group still there (nothing, normally)
+        except ProcessLookupError:
+            pass
+    if rc != 0:
+        raise SystemExit(f"chimera serve exited with {rc} on SIGTERM")
 
 
 if __name__ == "__main__":

@@ -48,9 +48,10 @@ def main() -> None:
     engine = VideoEngine(cfg, model_dir)
     F, fps = cfg.defaults.frames_per_clip, cfg.defaults.fps
     base = {"prompt": "a lighthouse at dusk", "size": f"{a.size}x{a.size}", "num_inference_steps": a.steps, "seed": 0}
-    one = plan_request(cfg, {**base, "seconds": (F - 1) / fps})
-    four = plan_request(cfg, {**base, "seconds": 4 * (F - 1) / fps})
-    four_off = plan_request(cfg, {**base, "seconds": 4 * (F - 1) / fps, "drift_correction": False})
+    # whole clips (video.request: one clip is F frames, each chained clip adds F - 1), so nothing is cut
+    one = plan_request(cfg, {**base, "seconds": F / fps})
+    four = plan_request(cfg, {**base, "seconds": (1 + 4 * (F - 1)) / fps})
+    four_off = plan_request(cfg, {**base, "seconds": (1 + 4 * (F - 1)) / fps, "drift_correction": False})
     engine.generate(one)  # warm-up
     t1 = timed(lambda: engine.generate(one), a.rounds)
     t4 = timed(lambda: engine.generate(four), a.rounds)

@@ -53,26 +53,32 @@ def main() -> None:
     one_by_one = [engine.complete(c, max_tokens=args.max_tokens, temperature=0) for c in convs]
     t_seq = time.perf_counter() - t0
 
-    batcher = ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_token_ids, args.requests)
     texts = [[] for _ in convs]
     done = [threading.Event() for _ in convs]
+    errors: list[Exception] = []
 
     def emitter(i):
         def emit(d):
-            if isinstance(d, Exception):
-                raise d
+            if isinstance(d, Exception):  # a failed request ends the bench with that error, not a hang
+                errors.append(d)
+                done[i].set()
+                return
             texts[i].append(d.text)
             if d.finish_reason:
                 done[i].set()
         return emit
 
     prompts = [engine.prepare(c) for c in convs]
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        batcher.submit(p, params, None, emitter(i))
-    for d in done:
-        d.wait()
-    t_batch = time.perf_counter() - t0
+    # closed on leaving the block: a batcher thread still alive at interpreter exit aborts the process
+    with ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_token_ids, args.requests) as batcher:
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            batcher.submit(p, params, None, emitter(i))
+        for d in done:
+            d.wait()
+        t_batch = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
     tokens = sum(c.completion_tokens for c in one_by_one)
     same = all("".join(t) == c.text for t, c in zip(texts, one_by_one))
     print(f"{args.requests} requests ({(args.requests + 1) // 2} with a photo), {tokens} completion tokens in all, "

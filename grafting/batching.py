@@ -24,6 +24,10 @@ from .model import GraftedVLM
 from .processor import Prompt
 
 
+class BatcherClosed(RuntimeError):
+    """Raised by :meth:`ContinuousBatcher.submit`, and emitted to unfinished requests, once the batcher is closed."""
+
+
 @dataclass
 class _Slot:
     state: SequenceState
@@ -76,6 +80,10 @@ class ContinuousBatcher:
     each :class:`~grafting.generate.Delta` of that request (the last one has ``finish_reason`` set), or once with
     an exception if the request fails (the other requests go on). ``active`` is the current batch size and
     ``max_batch_seen`` the largest batch formed. Works for any decoder-only LLM whose layers keep a standard ``DynamicCache``.
+
+    :meth:`close` (or leaving a ``with`` block) stops the thread and joins it; whoever starts a batcher closes it
+    before the process exits, since a thread still inside torch at interpreter exit aborts the process
+    ("terminate called without an active exception").
     """
 
     def __init__(self, model: GraftedVLM, tokenizer, eos_token_ids: set[int], max_batch_size: int = 8):
@@ -88,13 +96,35 @@ class ContinuousBatcher:
         self.max_batch_seen = 0
         self.active = 0  # rows in the running batch (read by servers for stats)
         self._queue: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # orders submit() against close(): nothing is queued after the final drain
         self._thread = threading.Thread(target=self._run, name="vlm-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event | None,
                emit: Callable[[Any], None]) -> None:
-        """Queue a prepared prompt for generation (thread-safe, returns at once)."""
-        self._queue.put((prompt, params, cancel, emit))
+        """Queue a prepared prompt for generation (thread-safe, returns at once). Raises :class:`BatcherClosed`
+        after :meth:`close`."""
+        with self._lock:
+            if self._closed.is_set():
+                raise BatcherClosed("the batcher is closed")
+            self._queue.put((prompt, params, cancel, emit))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the batcher thread and wait (up to ``timeout`` seconds; None: until it has stopped). The thread
+        stops before its next decode step; every request still running or queued then gets one
+        :class:`BatcherClosed` through its ``emit``. Idempotent; thread-safe."""
+        with self._lock:
+            self._closed.set()
+            self._queue.put(None)  # wakes the thread if it is waiting for work
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "ContinuousBatcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # -- the batcher thread -----------------------------------------------------------------------------------
     def _admit(self, item) -> tuple[_Slot, DynamicCache] | None:
@@ -111,12 +141,14 @@ class ContinuousBatcher:
     def _run(self) -> None:
         active: list[_Slot] = []
         cache: DynamicCache | None = None
-        while True:
+        while not self._closed.is_set():
             # 1. admit waiting requests (block only when idle)
             while len(active) < self.max_batch_size:
                 try:
                     item = self._queue.get(block=not active)
                 except queue.Empty:
+                    break
+                if item is None:  # close() was called
                     break
                 admitted = self._admit(item)
                 if admitted is None:
@@ -125,7 +157,7 @@ class ContinuousBatcher:
                 cache = slot_cache if cache is None else _concat_caches(cache, slot_cache)
                 active.append(slot)
             self.active = len(active)
-            if not active:
+            if not active or self._closed.is_set():
                 continue
             self.max_batch_seen = max(self.max_batch_seen, len(active))
             # 2. sample one token for every row
@@ -148,6 +180,8 @@ class ContinuousBatcher:
                     continue
                 cache.batch_select_indices(torch.tensor(keep))
                 _trim_cache_left(cache, cache.get_seq_length() - max(s.length for s in active))
+            if self._closed.is_set():
+                break
             # 3. one decode step for the whole batch (a failure there fails the requests in it, not the batcher)
             try:
                 cache = self._decode(active, cache)
@@ -155,6 +189,21 @@ class ContinuousBatcher:
                 for s in active:
                     _safe_emit(s.emit, exc)
                 active, cache, self.active = [], None, 0
+        self._fail_all(active)
+
+    def _fail_all(self, active: list[_Slot]) -> None:
+        """After close(): one BatcherClosed to every running and queued request."""
+        closed = BatcherClosed("the batcher was closed before this request finished")
+        for s in active:
+            _safe_emit(s.emit, closed)
+        self.active = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                _safe_emit(item[3], closed)
 
     def _decode(self, active: list[_Slot], cache: DynamicCache) -> DynamicCache:
         """One LLM forward for the last token of every active row; updates their logits and lengths."""

@@ -249,6 +249,13 @@ class VLMEngine:
                                               self.config.max_batch_size)
         return self._batcher
 
+    def close(self) -> None:
+        """Stop the continuous batcher if one was started (joins its thread; unfinished requests get
+        :class:`~grafting.batching.BatcherClosed`). A later :meth:`batcher` starts a new one. Idempotent."""
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            batcher.close()
+
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop)."""
         t0 = time.perf_counter()

@@ -1,23 +1,32 @@
 """Messages -> model inputs: chat template, image placeholders, pixel values.
 
 OpenAI-style messages (``system``/``developer``/``user``/``assistant``; content a string or a list of
-``text``/``image_url``/``image`` parts) are rendered with the LLM's own chat template. Each image becomes the
+``text``/``image_url``/``image`` parts) are rendered with the LLM's own chat template. Text from the messages is
+always tokenized as plain text: the tokenizer's control tokens (``<|im_start|>``, ``<|endoftext|>``, ...) typed in
+it never become control ids, so a client cannot forge turns; only the template's own tokens and the image
+placeholders this module inserts are control ids. Each image becomes the
 span ``<start> <image>*N <end>`` with ``N = grid_h * grid_w / 4`` (MoonViT's 2x2 patch merge), pixels made by
 transformers' ``Kimi_K25ImageProcessor`` so real checkpoints see the pixels they were trained on.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
+from transformers.utils.chat_template_utils import encode_marked_chat, mark_control_tokens
 
 from .media import ImageInputError, load_image_url
 from .model import ImageTokenIds
 
 ROLES = {"system", "developer", "user", "assistant"}
+# The message and content-part keys that are honoured. The chat template renders no other (OpenAI's ``name``,
+# ``tool_calls``, ``refusal``, ...), so any other key with a value other than null is refused, never ignored.
+MESSAGE_KEYS = {"role", "content"}
+PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}, "image": {"type", "image"}}
 
 
 class PromptError(ValueError):
@@ -85,6 +94,9 @@ class GraftProcessor:
         self.image_token_ids = ImageTokenIds(*ids)
         self.limits = limits or ImageLimitsView()
         self.max_prompt_tokens = max_prompt_tokens
+        control = sorted((t.content for t in tokenizer.added_tokens_decoder.values()
+                          if t.special or not t.content.isspace()), key=len, reverse=True)
+        self._control_re = re.compile("|".join(map(re.escape, control)) or "(?!)")  # longest first; (?!): none
         self.merge = 4
 
     # -- messages ---------------------------------------------------------------------------------
@@ -109,6 +121,10 @@ class GraftProcessor:
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict):
                 raise PromptError(f"messages[{i}] must be an object", f"messages[{i}]")
+            for key, value in msg.items():
+                if key not in MESSAGE_KEYS and value is not None:
+                    raise PromptError(f"messages[{i}].{key} is not supported (only role and content)",
+                                      f"messages[{i}].{key}", "unsupported_parameter")
             role = msg.get("role")
             if role not in ROLES:
                 raise PromptError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant",
@@ -123,6 +139,11 @@ class GraftProcessor:
                 for j, part in enumerate(content):
                     p = f"messages[{i}].content[{j}]"
                     kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in PART_KEYS:
+                        for key, value in part.items():
+                            if key not in PART_KEYS[kind] and value is not None:
+                                raise PromptError(f"{p}.{key} is not supported in a {kind} part", f"{p}.{key}",
+                                                  "unsupported_parameter")
                     if kind == "text":
                         pieces.append(self._check_text(part.get("text"), p + ".text"))
                     elif kind in ("image_url", "image"):
@@ -130,6 +151,11 @@ class GraftProcessor:
                             raise PromptError(f"{p}: images are accepted in user messages only", p)
                         if kind == "image_url":
                             iu = part.get("image_url")
+                            for key, value in (iu.items() if isinstance(iu, dict) else ()):
+                                if key != "url" and not (key == "detail" and value in (None, "auto")):
+                                    raise PromptError(f"{p}.image_url.{key} {value!r} is not supported (images are "
+                                                      "always seen at full detail: detail auto only)",
+                                                      f"{p}.image_url.{key}", "unsupported_parameter")
                             url = iu.get("url") if isinstance(iu, dict) else iu
                             images.append((url, p + ".image_url.url"))
                         else:
@@ -165,7 +191,27 @@ class GraftProcessor:
 
     # -- tokens -----------------------------------------------------------------------------------
     def template_ids(self, conv: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``conv`` under the LLM's chat template (exactly what the base LLM would get)."""
+        """Token ids of ``conv`` (``normalize``'s output: string contents) under the LLM's chat template, with the
+        text of the messages tokenized as plain text.
+
+        Control tokens are the tokenizer's added tokens (special ones, and non-special ones other than pure
+        whitespace). When no message text contains one, the ids are exactly ``apply_chat_template``'s (what the
+        base LLM gets). Otherwise the text's control tokens are marked and encoded as plain-text pieces by
+        transformers' own mechanism for ``apply_chat_template(sanitize_control_tokens=True)``
+        (``mark_control_tokens`` / ``encode_marked_chat``), while the template's tokens and the image markers
+        :meth:`normalize` inserted stay control ids. Raises PromptError (400, ``reserved_token_text``) in the
+        one case transformers cannot sanitize: a token that the tokenizer also produces from its plain text."""
+        marker = self.image_token_strings[1]  # an image part's marker, inserted by normalize (never client text)
+        if any(self._control_re.search(piece) for m in conv for piece in m["content"].split(marker)):
+            conv = [dict(m, content=marker.join(mark_control_tokens(piece, self._control_re)
+                                                for piece in m["content"].split(marker))) for m in conv]
+            rendered = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
+            try:
+                return encode_marked_chat(self.tokenizer, rendered)
+            except ValueError as exc:
+                raise PromptError(f"messages hold text that cannot be sent as plain text: {exc}", "messages",
+                                  "reserved_token_text") from None
         out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
         if hasattr(out, "keys"):
             out = out["input_ids"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import logging
 import signal
-import sys
 import time
 
 import typer
@@ -47,30 +46,42 @@ def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name
         typer.echo(f"{fam:6s} {section.model_id:16s} {state}  ({model_dir})")
 
 
+class _Stop(BaseException):
+    """Raised in the main thread by the first SIGTERM or SIGINT of ``chimera serve``: unwinds to its shutdown."""
+
+
+def _raise_stop(signum: int, _frame) -> None:
+    """Signal handler: ignore further SIGTERM/SIGINT (a second Ctrl-C must not cut the shutdown short), then
+    raise :class:`_Stop` in the main thread."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    raise _Stop(signum)
+
+
 @app.command()
 def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
           host: str = typer.Option(None, help="bind address (default: the profile's)"),
           port: int = typer.Option(None, help="port (default: the profile's)")):
-    """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM."""
-    from ray import serve as ray_serve
-
-    from .serve_app import init_ray, run
+    """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM; either stops it in a few
+    seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0."""
+    from .serve_app import init_ray, run, stop
 
     logging.basicConfig(level=logging.INFO)
     prof = _load(profile)
     init_ray(prof)
-    url = run(prof, host, port)
-    typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (Ctrl-C to stop)")
-
-    def stop(*_):
+    try:
+        # After init_ray (ray.init installs its own SIGTERM handler, which exits at once with code 15) and before
+        # the deployment starts, so that a signal at any moment from here on stops everything Ray started.
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, _raise_stop)
+        url = run(prof, host, port)
+        typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (Ctrl-C to stop)")
+        while True:
+            signal.pause()
+    except _Stop:
         typer.echo("shutting down")
-        ray_serve.shutdown()
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while True:
-        time.sleep(3600)
+    finally:
+        stop()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
 - Restart recovery (documented behaviour): when a manager starts on an existing store, jobs that were
   ``in_progress`` become ``failed`` with error code ``interrupted`` (their partial work is lost; the client
   may resubmit); ``queued`` jobs, which never started, are launched again. Completed jobs and their files stay.
+- Order: ``created_at`` is strictly increasing in creation order (the manager, the store's one writer, never
+  hands out the same instant twice, also across a restart), and lists break any tie by id, so a list's order
+  never depends on how fast jobs were submitted.
+- ``seconds`` of a Video object: the planned duration while queued or running, then the duration of the MP4
+  written (its frames / fps; :func:`video.request.seconds_label`).
 """
 
 from __future__ import annotations
@@ -161,10 +166,16 @@ class JobStore:
                              .where(self.table.c.status.in_(ACTIVE))).scalar_one()
 
     def with_status(self, *statuses: str) -> list[dict]:
-        """Records in any of ``statuses``, oldest first."""
+        """Records in any of ``statuses``, oldest first (ties by id)."""
+        t = self.table
         with self.engine.connect() as c:
-            q = self.table.select().where(self.table.c.status.in_(statuses)).order_by(self.table.c.created_at)
+            q = t.select().where(t.c.status.in_(statuses)).order_by(t.c.created_at, t.c.id)
             return [dict(r) for r in c.execute(q).mappings()]
+
+    def latest_created_at(self) -> float:
+        """The largest ``created_at`` in the store (0.0 when empty)."""
+        with self.engine.connect() as c:
+            return float(c.execute(sa.select(sa.func.max(self.table.c.created_at))).scalar() or 0.0)
 
 
 def video_object(row: dict) -> dict:
@@ -290,6 +301,13 @@ class JobManager:
         self.refs: dict[str, Any] = {}
         self.watchers: dict[str, asyncio.Task] = {}
         self._recovered = False
+        self._last_created = self.store.latest_created_at()
+
+    def _created_at(self) -> float:
+        """Now (wall clock, s), but strictly after every job already stored: creation order is list order."""
+        now = max(time.time(), self._last_created + 1e-3)
+        self._last_created = now
+        return now
 
     # -- lifecycle
     def _handle(self):
@@ -356,13 +374,17 @@ class JobManager:
             np.save(jd / "source_last_frame.npy", np.asarray(upload["last_frame"], dtype=np.float32))
             extend_from = {"id": None, "video": str(jd / "source.mp4"), "reference": upload["reference"],
                            "last_frame": str(jd / "source_last_frame.npy")}
-        seconds = seconds_label or f"{request['seconds'] if request.get('seconds') else 0:g}"
+        if seconds_label is None:
+            from video.request import VideoRequest, seconds_label as label
+
+            planned = VideoRequest.from_dict(request)
+            seconds_label = label(planned.total_frames, planned.fps)
         params = {"request": request, "image": image_png is not None, "extend": extend_from,
                   "gpus_per_job": self.cfg.jobs.gpus_per_job}
         row = self.store.insert(dict(
-            id=job_id, created_at=time.time(), model=self.model_id, status="queued", phase="queued", progress=0,
-            clips_total=request["num_clips"], clips_done=0, prompt=request["prompt"], seconds=seconds,
-            size=f"{request['width']}x{request['height']}", params=params, idempotency_key=idempotency_key,
+            id=job_id, created_at=self._created_at(), model=self.model_id, status="queued", phase="queued",
+            progress=0, clips_total=request["num_clips"], clips_done=0, prompt=request["prompt"],
+            seconds=seconds_label,            size=f"{request['width']}x{request['height']}", params=params, idempotency_key=idempotency_key,
             request_hash=digest if idempotency_key else None,
             remixed_from=(extend_from or {}).get("id")))
         self._launch(row)
@@ -383,9 +405,12 @@ class JobManager:
         import ray
 
         try:
+            from video.request import seconds_label
+
             result = await ref
             now = time.time()
             self.store.update_if_active(job_id, status="completed", phase="encoding", progress=100,
+                                        seconds=seconds_label(result["frames"], result["fps"]),
                                         clips_done=self.store.get(job_id)["clips_total"], completed_at=now,
                                         expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
                                         worker_finished_at=result["finished"])

@@ -2,7 +2,7 @@
 
 ``build_application(profile)`` binds every family's ``Deployment`` (``services/chat.py`` ...) with the profile's
 options and passes their handles to the ingress, whose FastAPI app is built at replica start by
-:func:`services.app.build_app`. ``run(profile)`` starts it on the profile's host and port.
+:func:`services.app.build_app`. ``run(profile)`` starts it on the profile's host and port; ``stop()`` ends it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from .profiles import DeploymentOptions, Profile
 
 APP_NAME = "chimera"
 PROXY_CALLBACK = "services.edge:proxy_middlewares"
+# While a replica shuts down it polls its in-flight requests this often (Ray's default, 2 s, is paid once per
+# shutdown tier even by an idle replica: ingress, then the model deployments). In-flight requests still finish, up
+# to Ray's graceful_shutdown_timeout_s (20 s).
+DRAIN_POLL_S = 0.2
 
 
 @serve.ingress()
@@ -36,7 +40,7 @@ def _options(name: str, o: DeploymentOptions) -> dict:
     env = {"OMP_NUM_THREADS": str(o.torch_threads)} if o.torch_threads else {}
     return dict(name=name, num_replicas=o.num_replicas, max_ongoing_requests=o.max_ongoing_requests,
                 max_queued_requests=o.max_queued_requests, health_check_period_s=o.health_check_period_s,
-                health_check_timeout_s=o.health_check_timeout_s,
+                health_check_timeout_s=o.health_check_timeout_s, graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
                 ray_actor_options={"num_cpus": o.num_cpus, "num_gpus": o.num_gpus,
                                    "runtime_env": {"env_vars": env} if env else {}})
 
@@ -84,3 +88,15 @@ def run(profile: Profile, host: str | None = None, port: int | None = None, bloc
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": profile.server.request_timeout_s})
     serve.run(build_application(profile), name=APP_NAME, route_prefix="/", blocking=blocking)
     return f"http://{host}:{port}"
+
+
+def stop() -> None:
+    """Stop the service: delete the application (each replica finishes its in-flight requests first, see
+    ``DRAIN_POLL_S``; the VLM replica then stops its batcher thread), stop Serve's controller and proxies, and
+    disconnect from Ray, which also stops the local Ray that :func:`init_ray` started (its raylet ends every
+    worker process). Does nothing when Ray is not initialised; idempotent."""
+    import ray
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

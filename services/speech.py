@@ -27,8 +27,8 @@ from sse_starlette.sse import EventSourceResponse
 from audio.config import TTSConfig
 from audio.formats import MEDIA_TYPES, STREAMABLE, encode, to_pcm16, wav_header
 from audio.text import SentenceBuffer, split_sentences
-from audio.validate import (SpeechInputError, check_format, check_seed, check_speakable, check_speed, check_text,
-                            check_voice, speakable)
+from audio.validate import (SESSION_FIELDS, SPEECH_FIELDS, SpeechInputError, check_fields, check_format, check_seed,
+                            check_speakable, check_speed, check_text, check_unicode, check_voice, speakable)
 
 from . import metrics
 from .app import check_model, json_object
@@ -47,7 +47,8 @@ class Deployment:
     ``speak(...)`` is an async generator of ``{"type": "audio", "pcm": bytes, "sentence": int}`` (pcm16 24 kHz
     mono) and a final ``{"type": "done", "usage": {...}}``. An input error (SpeechInputError) is the only event,
     ``{"type": "error", ...}`` (:func:`services.chat.input_error_event`): it is an answer, not a replica failure,
-    so Ray does not log it as one. Closing the generator stops generation before the next token.
+    so Ray does not log it as one; so is :class:`audio.engine.NoAudioError` (500 ``no_audio``), which ends the
+    stream in place of ``done``. Closing the generator stops generation before the next token.
     """
 
     def __init__(self, section: dict, model_dir: str):
@@ -73,7 +74,7 @@ class Deployment:
     async def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0,
                     seed: int | None = None, first_index: int = 0):
         """Synthesize raw ``sentences`` (see :meth:`audio.engine.TTSEngine.speak`), streaming pcm16 events."""
-        from audio.engine import SpeechDone
+        from audio.engine import NoAudioError, SpeechDone
 
         cancel = threading.Event()
         try:
@@ -101,6 +102,9 @@ class Deployment:
         try:
             while True:
                 ev = await queue.get()
+                if isinstance(ev, NoAudioError):  # answered (500 no_audio), not a replica failure
+                    yield input_error_event(ev)
+                    return
                 if isinstance(ev, BaseException):
                     raise ev
                 if isinstance(ev, SpeechDone):
@@ -147,9 +151,11 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
     @router.post("/v1/audio/speech")
     async def create_speech(request: Request):
         """OpenAI speech: ``input``, ``voice``, ``response_format``, ``speed``, ``stream_format``, plus our
-        ``seed`` and ``stream`` (``false``: the whole file at the end, a WAV header with exact sizes)."""
+        ``seed`` and ``stream`` (``false``: the whole file at the end, a WAV header with exact sizes). Any
+        other field (OpenAI's ``instructions`` included) is 400 ``unsupported_parameter``."""
         body = await json_object(request)
         try:
+            check_fields(body, SPEECH_FIELDS)
             model_id = check_model(profile, "tts", body.get("model"))
             text = check_text(cfg, body.get("input"))
             voice = check_voice(cfg, body.get("voice"))
@@ -262,12 +268,20 @@ async def _sse(events, fmt: str, timing: _Timing):
         yield json.dumps(error_body(err.message, err.type, err.param, err.code))
 
 
+# Fields of each client event (any other is an ``unsupported_parameter`` error; ``session`` is checked too).
+_EVENT_FIELDS = {"session.update": ("type", "session"), "input_text.append": ("type", "text"),
+                 "input_text.commit": ("type",), "input_text.clear": ("type",), "response.cancel": ("type",)}
+
+
 class _Session:
     """One websocket session: a reader (client events) and a speaker (synthesis) run concurrently.
 
     Complete sentences start synthesizing as soon as they are in the buffer; ``input_text.commit`` sends the
     rest and ends the utterance (one ``response.audio.done`` per commit). ``response.cancel`` drops the
-    utterance in progress (queued sentences, uncommitted text, the synthesis running). Recoverable errors are
+    utterance in progress (queued sentences, uncommitted text, the synthesis running). A synthesis error (e.g.
+    ``no_audio``) is an ``error`` event and that utterance's ``response.audio.done`` has ``status: "failed"``.
+    Every client event and ``session`` field is checked: another field is ``unsupported_parameter``, text that is
+    not valid Unicode ``invalid_unicode`` (nothing of the event is applied). Recoverable errors are
     sent as ``error`` events and the socket stays open. A disconnect cancels everything at once.
     """
 
@@ -319,10 +333,15 @@ class _Session:
             event = json.loads(text)
         except json.JSONDecodeError as err:
             return await self.error(f"malformed JSON: {err}", "invalid_json")
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        if not isinstance(event, dict):
             return await self.error("each message must be a JSON object with a string 'type'", "invalid_event")
-        kind = event["type"]
         try:
+            check_unicode(event, "")
+            if not isinstance(event.get("type"), str):
+                return await self.error("each message must be a JSON object with a string 'type'", "invalid_event")
+            kind = event["type"]
+            if kind in _EVENT_FIELDS:
+                check_fields(event, _EVENT_FIELDS[kind])
             if kind == "session.update":
                 await self.update(event.get("session"))
             elif kind == "input_text.append":
@@ -343,6 +362,7 @@ class _Session:
     async def update(self, s: Any) -> None:
         if not isinstance(s, dict):
             raise SpeechInputError("'session' must be an object", "session", "invalid_value")
+        check_fields(s, SESSION_FIELDS, "session")
         new = dict(self.session)
         if "model" in s:
             new["model"] = check_model(self.profile, "tts", s["model"])
@@ -352,9 +372,8 @@ class _Session:
             new["speed"] = check_speed(self.cfg, s["speed"])
         if "seed" in s:
             new["seed"] = check_seed(s["seed"])
-        unknown = set(s) - {"model", "voice", "speed", "seed"}
         self.session = new
-        await self.send({"type": "session.updated", "session": dict(new), "ignored": sorted(unknown)})
+        await self.send({"type": "session.updated", "session": dict(new)})
 
     def _response(self) -> str:
         if self.response_id is None:
@@ -403,6 +422,7 @@ class _Session:
 
     async def speaker(self) -> None:
         usage: dict[str, dict] = {}
+        failed: set[str] = set()  # responses that had an error event: their done says "failed"
         while True:
             item = await self.queue.get()
             if item[1] != self.generation:
@@ -411,13 +431,15 @@ class _Session:
             rid = item[2]
             if item[0] == "drop":  # an utterance with nothing to speak: no done event
                 usage.pop(rid, None)
+                failed.discard(rid)
                 continue
             u = usage.setdefault(rid, {"audio_seconds": 0.0, "sentences": 0, "stripped_tags": [], "loops": []})
             if item[0] == "done":
                 usage.pop(rid, None)
                 u["audio_seconds"] = round(u["audio_seconds"], 4)
-                await self.send({"type": "response.audio.done", "response_id": rid, "status": "completed",
-                                 "usage": u})
+                status = "failed" if rid in failed else "completed"
+                failed.discard(rid)
+                await self.send({"type": "response.audio.done", "response_id": rid, "status": status, "usage": u})
                 continue
             _, gen, rid, sentences, first_index, sess = item
             self.speaking = rid
@@ -429,6 +451,7 @@ class _Session:
                     raise  # the session itself is closing (not a response.cancel)
             except Exception as exc:  # noqa: BLE001 - report and keep the socket
                 err = to_api_error(exc)
+                failed.add(rid)
                 await self.error(err.message, err.code or "synthesis_failed", err.param, err.type)
             finally:
                 self.current, self.speaking = None, None

@@ -5,6 +5,12 @@ file, and ``video[id]`` for extensions) and calls the ``Deployment``, which vali
 the profile (:func:`video.request.plan_request`) before anything is queued, then hands it to the
 :class:`services.jobs.JobManager` actor. Job state lives in the manager's store, not in this replica.
 
+Request fields: every field is either implemented or refused with 400 ``unsupported_parameter`` naming it
+(:func:`video.request.plan_request`; extensions accept ``prompt``, ``seconds``, ``video``, ``model`` and the
+generation fields of :data:`_EXTEND_FIELDS`, and keep the source's size, fps and clip length). Text that is not
+valid Unicode (a lone UTF-16 surrogate escaped in JSON, bytes that are not UTF-8 in a multipart or urlencoded
+field) is 400 ``invalid_unicode``.
+
 Bad input never raises out of the deployment (Ray Serve would log each as a replica failure with its
 traceback): the deployment returns it as an ``error`` event (:func:`services.chat.input_error_event`) and the
 router raises the matching APIError. Every 4xx carries a stable ``code``.
@@ -21,6 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartParser
 
 from . import metrics
 from .app import check_model
@@ -84,7 +91,7 @@ class Deployment:
         """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (any format
         Pillow reads; stored as PNG). Returns the Video object (status ``queued``)."""
         from video.media import load_image
-        from video.request import plan_request
+        from video.request import plan_request, seconds_label
 
         req = plan_request(self.cfg, fields, has_image=image is not None)
         png = None
@@ -95,27 +102,35 @@ class Deployment:
             img.save(buf, format="PNG")
             png = buf.getvalue()
         return await self._call("create", req.to_dict(), image_png=png, idempotency_key=idempotency_key,
-                                seconds_label=_seconds_label(req.duration_s))
+                                seconds_label=seconds_label(req.total_frames, req.fps))
 
     @_input_errors_as_events
     async def extend(self, fields: dict, video_id: str | None = None, video: bytes | None = None,
                      idempotency_key: str | None = None) -> dict:
         """Queue an extension of a completed video (``video_id``) or of an uploaded video file (``video``):
         its first clip starts from the source's last frame; the result is the source with the extension
-        appended. ``fields``: ``prompt``, ``seconds`` (of the extension) and optional generation fields."""
+        appended. ``fields``: ``prompt``, ``seconds`` (the added length) and optional generation fields
+        (:data:`_EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
+        ``seconds`` is the whole joined video's duration (source frames + added frames) / fps."""
         from video.drift import color_stats
         from video.media import MediaError, decode_video
-        from video.request import RequestError, plan_request
+        from video.request import RequestError, plan_request, seconds_label
 
+        for name in fields:
+            if name not in _EXTEND_FIELDS:
+                kept = " (an extension keeps the source video's size, fps and clip length)" if name in \
+                    ("size", "width", "height", "fps", "num_frames", "input_reference") else ""
+                raise RequestError(f"{name} is not supported on a video extension{kept}", str(name),
+                                   "unsupported_parameter")
         if video_id is not None:
             src = await self._call("extension_source", video_id)
             base = {k: src["params"][k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt")}
             base.update(width=src["width"], height=src["height"], fps=src["fps"],
                         num_frames=src["params"]["frames_per_clip"])
-            req = plan_request(self.cfg, {**base, **_only(fields, _EXTEND_FIELDS)})
-            total = float(src["seconds"] or 0) + req.duration_s
+            req = plan_request(self.cfg, {**base, **fields}, continuation=True)
+            total = int(src["frames"]) + req.total_frames
             return await self._call("create", req.to_dict(), extend_from=src, idempotency_key=idempotency_key,
-                                    seconds_label=_seconds_label(total))
+                                    seconds_label=seconds_label(total, req.fps))
         if video is None:
             raise RequestError("video is required: {\"id\": <completed video id>} or a video file", "video",
                                "missing_required_parameter")
@@ -127,15 +142,15 @@ class Deployment:
 
         frames, fps = decode_video(video, max_frames=self.cfg.limits.max_clips * self.cfg.limits.max_frames_per_clip)
         h, w = frames.shape[1:3]
-        req = plan_request(self.cfg, {"fps": max(1, round(fps)) if fps else None, **_only(fields, _EXTEND_FIELDS),
-                                      "width": w, "height": h})
+        req = plan_request(self.cfg, {"fps": max(1, round(fps)) if fps else None, **fields, "width": w, "height": h},
+                           continuation=True)
         floats = torch.from_numpy(frames[: req.frames_per_clip]).permute(0, 3, 1, 2).float() / 255
         last = torch.from_numpy(frames[-1]).permute(2, 0, 1).float().numpy() / 255
         upload = {"video": video, "last_frame": np.asarray(last, dtype=np.float32),
                   "reference": color_stats(floats).to_dict()}
-        total = len(frames) / req.fps + req.duration_s
+        total = len(frames) + req.total_frames
         return await self._call("create", req.to_dict(), upload=upload, idempotency_key=idempotency_key,
-                                seconds_label=_seconds_label(total))
+                                seconds_label=seconds_label(total, req.fps))
 
     @_input_errors_as_events
     async def get(self, video_id: str) -> dict:
@@ -167,35 +182,95 @@ class Deployment:
         return int(await self._call("queue_length"))
 
 
+#: The fields of an extension request that reach the deployment (``video`` and ``model`` are taken by the router).
 _EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
                   "drift_correction", "sparsity")
 
 
-def _only(fields: dict, keys) -> dict:
-    return {k: v for k, v in fields.items() if k in keys}
+class _NotUtf8(Exception):
+    """A text field of a form body whose bytes are not UTF-8 (``field``: its name)."""
+
+    def __init__(self, field: str):
+        super().__init__(field)
+        self.field = field
 
 
-def _seconds_label(s: float) -> str:
-    return f"{s:g}"
+class _Utf8MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, except that a text field whose bytes are not UTF-8 raises :class:`_NotUtf8`
+    (Starlette decodes such a field as latin-1 and passes the mojibake on)."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode("utf-8")
+            except UnicodeDecodeError:
+                raise _NotUtf8(part.field_name) from None
+        super().on_part_end()
+
+
+def _unicode_error(field: str) -> APIError:
+    return APIError(400, f"{field} is not valid Unicode text (a lone UTF-16 surrogate, or bytes that are not UTF-8)",
+                    param=field, code="invalid_unicode")
+
+
+def _check_unicode(fields: dict) -> None:
+    """APIError 400 ``invalid_unicode`` naming the first field whose text (keys and nested values included)
+    holds a lone UTF-16 surrogate, as ``"\\ud800"`` escaped in JSON decodes to."""
+
+    def bad(v: Any) -> bool:
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(v, dict):
+            return any(bad(k) or bad(x) for k, x in v.items())
+        if isinstance(v, list):
+            return any(bad(x) for x in v)
+        return False
+
+    for key, value in fields.items():
+        if bad(key) or bad(value):
+            raise _unicode_error(key.encode("utf-8", "backslashreplace").decode() if bad(key) else key)
 
 
 async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
-    """JSON or multipart/urlencoded body -> (fields, files). Files are read up to ``max_bytes`` (413 beyond)."""
+    """JSON or multipart/urlencoded body -> (fields, files). Files are read up to ``max_bytes`` (413 beyond).
+    Text that is not valid Unicode is APIError 400 ``invalid_unicode``."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+    if ctype == "application/x-www-form-urlencoded":
+        from urllib.parse import parse_qsl
+
+        raw = await request.body()
+        if len(raw) > max_bytes:
+            raise APIError(413, f"form body over {max_bytes} bytes", code="too_large")
         try:
-            form = await request.form(max_part_size=max_bytes)
+            pairs = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict")
+        except UnicodeDecodeError:
+            raise APIError(400, "form body is not UTF-8 text (raw or %-encoded)", code="invalid_unicode") from None
+        return dict(pairs), {}
+    if ctype == "multipart/form-data":
+        try:
+            form = await _Utf8MultiPartParser(request.headers, request.stream(), max_part_size=max_bytes).parse()
+        except _NotUtf8 as err:
+            raise _unicode_error(err.field) from None
         except Exception as exc:  # noqa: BLE001 - malformed multipart
-            raise APIError(400, f"could not parse the form body: {exc}", code="invalid_body") from None
+            raise APIError(400, f"could not parse the form body: {getattr(exc, 'message', exc)}",
+                           code="invalid_body") from None
         fields, files = {}, {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                data = await value.read(max_bytes + 1)
-                if len(data) > max_bytes:
-                    raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="too_large")
-                files[key] = data
-            else:
-                fields[key] = value
+        try:
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    data = await value.read(max_bytes + 1)
+                    if len(data) > max_bytes:
+                        raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="too_large")
+                    files[key] = data
+                else:
+                    fields[key] = value
+        finally:
+            await form.close()
         return fields, files
     if ctype in ("application/json", ""):
         try:
@@ -206,6 +281,7 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
             raise APIError(400, "body is not valid JSON: it is not UTF-8 text", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "body must be a JSON object", code="invalid_json")
+        _check_unicode(body)
         return body, {}
     raise APIError(415, f"unsupported content type {ctype!r} (use application/json or multipart/form-data)",
                    code="unsupported_media_type")
@@ -310,6 +386,7 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         for name in ("prompt", "seconds"):
             if name not in fields:
                 raise APIError(400, f"{name} is required", param=name, code="missing_required_parameter")
+        check_model(profile, "video", fields.pop("model", None))
         video_id = fields.pop("video[id]", None)
         v = fields.pop("video", None)
         if isinstance(v, str):

@@ -77,9 +77,10 @@ def serve_url(profile, model_dir, ray_cluster):
 
     port = free_port()
     url = run(profile, "127.0.0.1", port)
-    # /readyz waits for vLLM's server too (vlm.engine.backend: vllm): 1-2 minutes to start on 2 busy cores
-    deadline = time.time() + 600
-    while time.time() < deadline:
+    # /readyz also waits for vLLM's server (vlm.engine.backend: vllm), which takes 1-2 minutes on 2 busy cores;
+    # the ceiling only turns a hang into a failure (monotonic: a wall-clock step cannot cut it short), far above a slow machine's start-up
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
                 break
@@ -118,9 +119,9 @@ def data_url(img, fmt: str = "PNG") -> str:
 
 def wait_for_video(client, video_id: str, timeout: float = 240):
     """Poll ``client.videos.retrieve`` until the job leaves queued/in_progress; returns the Video object.
-    Raises AssertionError after ``timeout`` seconds."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    Raises AssertionError after ``timeout`` seconds (a ceiling against a hang, measured on a monotonic clock)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         v = client.videos.retrieve(video_id)
         if v.status not in ("queued", "in_progress"):
             return v

@@ -72,6 +72,8 @@ def test_train_loss_goes_down_checkpoints_reload_and_resume_exactly(dirs, tmp_pa
     rows = list(csv.DictReader(open(tmp_path / "run" / "log.csv")))
     losses = [float(r["loss"]) for r in rows]
     assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    # Measured 11.81 -> 9.74, each step at least 0.11 nats below the one before: fp32 rounding differences between
+    # CPUs move these losses by about 1e-4 nats at most (relative sqrt(S*n)*u, see test_graft_eval), 1000x below it.
     assert losses[-1] < 0.9 * losses[0] and losses == sorted(losses, reverse=True), losses
     assert float(rows[0]["lr"]) == pytest.approx(1e-2) and 0 < float(rows[-1]["lr"]) < 1e-3
     assert res["steps"] == 8

@@ -241,3 +241,70 @@ def test_prepare_is_idempotent(model_dir):
     assert {p: p.stat().st_mtime_ns for p in model_dir.rglob("*.safetensors")} == before
     bad = CliRunner().invoke(cli, ["prepare", "--profile", "no-such-profile"])
     assert bad.exit_code == 2 and "not found" in bad.output
+
+
+class _Body:
+    """The one method of a Starlette request that ``json_object`` uses."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    async def body(self) -> bytes:
+        return self.raw
+
+
+@pytest.mark.parametrize("raw,param", [
+    (rb'{"input": "\ud800"}', "input"),                                                    # lone high surrogate
+    (rb'{"input": "ok \udfff end"}', "input"),                                             # lone low surrogate
+    (rb'{"input": "\ude00\ud83d"}', "input"),                                              # a pair in the wrong order
+    (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc80"}]}]}',
+     "messages[0].content[0].text"),
+    (rb'{"a": {"b": [1, 2, ["fine", "\ud800"]]}}', "a.b[2][1]"),
+    (rb'{"session": {"k\ud800": 1}}', "session.k\\ud800"),                                  # a key
+])
+def test_json_object_refuses_strings_that_are_not_unicode(raw, param):
+    from services.app import json_object
+    from services.errors import APIError
+
+    with pytest.raises(APIError) as ei:
+        asyncio.run(json_object(_Body(raw)))
+    err = ei.value
+    assert (err.status, err.code, err.param) == (400, "invalid_unicode", param)
+    err.body()["error"]["message"].encode("utf-8")  # the answer itself is valid UTF-8
+
+
+def test_json_object_keeps_valid_unicode_and_its_other_errors():
+    from services.app import json_object
+    from services.errors import APIError
+
+    ok = asyncio.run(json_object(_Body('{"t": "caf\\u00e9 \\ud83d\\ude00 \u00e9\u4e2d", "k\u00e9": ["\\n"]}'.encode())))
+    assert ok == {"t": "caf\u00e9 \U0001F600 \u00e9\u4e2d", "k\u00e9": ["\n"]}
+    assert asyncio.run(json_object(_Body(b'\xef\xbb\xbf{"a": 1}'))) == {"a": 1}  # UTF-8 BOM
+    for raw in (b"{not json", b"[1]", b"", b'{"a": "caf\xe9"}', b'{"a": "\xed\xa0\x80"}', b'{\x00"\x00x'):
+        with pytest.raises(APIError) as ei:  # not UTF-8 (latin-1, an encoded surrogate, UTF-16) or not an object
+            asyncio.run(json_object(_Body(raw)))
+        assert (ei.value.status, ei.value.code) == (400, "invalid_json"), raw
+
+
+def test_chat_lone_surrogate_is_a_400_without_a_traceback(profile, caplog):
+    """Defect: ``"\\ud800"`` in a chat message was a 500 with a traceback. Every text field of the body is checked
+    before the model sees it; nothing is logged at error level."""
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(EchoDeployment())})
+    bodies = {
+        "messages[0].content": rb'{"messages": [{"role": "user", "content": "hi \ud800"}]}',
+        "messages[1].content[0].text": rb'{"messages": [{"role": "system", "content": "s"}, {"role": "user", '
+                                       rb'"content": [{"type": "text", "text": "\udbff"}]}]}',
+        "stop[0]": rb'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]}',
+        "model": rb'{"model": "\ud800", "messages": [{"role": "user", "content": "hi"}]}',
+    }
+
+    async def go():
+        async with _client(app) as c:
+            for param, raw in bodies.items():
+                r = await c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["code"] == "invalid_unicode" and r.json()["error"]["param"] == param
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(go())
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info], caplog.text

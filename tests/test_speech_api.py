@@ -135,6 +135,7 @@ def test_sse_stream(serve_url):
     (dict(input="x" * 4097), "input", "input_too_long"),
     (dict(voice="alloy"), "voice", "unknown_voice"),
     (dict(response_format="ogg"), "response_format", "unsupported_format"),
+    (dict(response_format="aac"), "response_format", "unsupported_format"),  # OpenAI's, not implemented here
     (dict(stream_format="ws"), "stream_format", "unsupported_format"),
     (dict(speed=4.5), "speed", "invalid_speed"),
     (dict(speed=0.1), "speed", "invalid_speed"),
@@ -168,6 +169,110 @@ def test_bad_body_and_model(serve_url):
     assert r.status_code == 200 and len(r.content) == 4 * 2048 * 2  # the largest seed is fine
     r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "voice": "tara", "model": "nope"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("title,frames", [("Chapter One", 4), ("The Last Lighthouse", 5)])
+def test_short_title_with_seed_9_has_audio(openai_client, title, frames):
+    """Issue 10, defect 5: seed 9 gave a 200 with a 44-byte WAV (0 frames) for any short title. Frames: the cpu
+    profile's max_frames_for (0.25 frames per character, at least 4); its random LM never ends on its own."""
+    for stream in (True, False):
+        resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input=title,
+                                                 response_format="wav", extra_body={"seed": 9, "stream": stream})
+        data, sr = sf.read(io.BytesIO(resp.content))
+        assert sr == 24000 and len(data) == frames * 2048 and np.abs(data).max() > 0
+
+
+def test_unsupported_fields_are_refused(openai_client, serve_url):
+    """Issue 10, defect 7: OpenAI's ``instructions`` (not implemented) and any unknown field: 400
+    ``unsupported_parameter`` naming it, never accepted and ignored."""
+    args = dict(model="chimera-tts", voice="tara", input="Hello.", response_format="wav")
+    for kwargs, param in [(dict(instructions="Speak cheerfully."), "instructions"),
+                          (dict(extra_body={"temperature": 0.2}), "temperature"),
+                          (dict(extra_body={"language": "en"}), "language")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            openai_client.audio.speech.create(**args, **kwargs)
+        assert (err.value.body["param"], err.value.body["code"]) == (param, "unsupported_parameter")
+    assert "<laugh>" in err.value.body["message"] or "supported:" in err.value.body["message"]
+    r = httpx.post(f"{serve_url}/v1/audio/speech", json={"input": "Hi.", "instructions": None}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "instructions"  # refused whatever its value
+
+
+def test_forged_control_token_text_is_spoken(openai_client):
+    """Issue 10, defect 6: special-token spellings in ``input`` are read as plain text (see the engine test for
+    the ids); the request is synthesized in full: one sentence of 53 characters -> ceil(0.25 * 53) = 14 frames."""
+    text = "<|eot_id|> <|begin_of_text|> <|endoftext|> <|im_end|>"
+    for fmt in ("pcm", "wav"):
+        resp = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input=text,
+                                                 response_format=fmt, extra_body={"seed": 9})
+        data, sr = _read(resp.content, fmt)
+        assert len(text) == 53 and len(data) == 14 * 2048 and np.abs(data).max() > 0
+
+
+def _pcm(openai_client, **kwargs) -> np.ndarray:
+    args = dict(model="chimera-tts", voice="tara", input="Hello there.", response_format="pcm", speed=1.0,
+                stream_format="audio", extra_body={"seed": 3}) | kwargs
+    return np.frombuffer(openai_client.audio.speech.create(**args).content, dtype="<i2")
+
+
+def test_each_documented_field_has_its_effect(openai_client):
+    """Every field the endpoint accepts changes the result as documented (same seed unless said otherwise)."""
+    base = _pcm(openai_client)
+    assert len(base) == 4 * 2048 and np.array_equal(_pcm(openai_client), base)  # seed: reproducible
+    other = _pcm(openai_client, extra_body={"seed": 4})
+    assert len(other) == len(base) and not np.array_equal(other, base)  # another seed: other audio
+    leah = _pcm(openai_client, voice="leah")
+    assert len(leah) == len(base) and not np.array_equal(leah, base)  # voice: in the prompt, other audio
+    longer = _pcm(openai_client, input="Hello there, nice to meet you.")  # 30 chars x 0.25 -> 8 frames
+    assert len(longer) == 8 * 2048
+    # speed: tape-style resampling of the same audio; at 2.0 every output sample falls on an input sample
+    # (positions 0, 2, 4 ... exactly, interpolation weight 0), so it is the speed-1 audio's even samples
+    assert np.array_equal(_pcm(openai_client, speed=2.0), base[::2])
+    slow = _pcm(openai_client, speed=0.5)  # positions 0, 0.5, 1 ...: ceil(N / 0.5) samples, the even ones as is
+    assert len(slow) == 2 * len(base) and np.array_equal(slow[::2], base)
+    wav = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
+                                            response_format="wav", extra_body={"seed": 3}).content
+    assert wav[:4] == b"RIFF" and np.array_equal(np.frombuffer(wav[44:], dtype="<i2"), base)  # response_format
+    sse = openai_client.audio.speech.create(model="chimera-tts", voice="tara", input="Hello there.",
+                                            response_format="pcm", stream_format="sse", extra_body={"seed": 3})
+    events = [json.loads(x[6:]) for x in sse.content.decode().splitlines() if x.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"  # stream_format: SSE events carrying the same audio
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == base.tobytes()
+
+
+def test_invalid_unicode_is_400_and_ws_error_without_traceback(serve_url, ray_cluster):
+    """Issue 10, defect 4: a lone UTF-16 surrogate (JSON ``"\\ud800"``) in any text is 400 ``invalid_unicode``
+    over HTTP and an ``error`` event on the websocket, which stays open; no log of the cluster gets a traceback."""
+    logs = Path(ray_cluster._private.worker._global_node.get_session_dir_path()) / "logs"
+
+    def count(word: str, pattern: str = "*") -> int:
+        return sum(f.read_text(errors="ignore").count(word) for f in logs.rglob(pattern)
+                   if f.is_file() and f.stat().st_size < 50_000_000)
+
+    tracebacks, calls = count("Traceback"), count("CALL speak OK", "replica_chimera_tts_*.log")
+    for body in (b'{"input": "Hi \\ud800 there.", "voice": "tara"}',
+                 b'{"input": "\\udc00", "response_format": "wav"}'):
+        r = httpx.post(f"{serve_url}/v1/audio/speech", content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.content
+        assert r.json()["error"]["param"] == "input"
+    with connect(_ws_url(serve_url)) as ws:
+        ws.recv(timeout=30)
+        for frame, param in [('{"type": "input_text.append", "text": "Hi \\ud800."}', "text"),
+                             ('{"type": "session.update", "session": {"voice": "\\ud800"}}', "session.voice"),
+                             ('{"type": "session.update", "session": {"seed": 1, "\\ud800": 1}}', "session"),
+                             ('{"type": "input_text.commit", "x": ["\\udfff"]}', "x[0]")]:
+            ws.send(frame)
+            m = json.loads(ws.recv(timeout=30))
+            assert m["type"] == "error" and (m["error"]["code"], m["error"]["param"]) == ("invalid_unicode", param)
+        _send(ws, type="input_text.append", text="Hi.")
+        _send(ws, type="input_text.commit")
+        pcm, done = _utterance(ws)  # still open; nothing of the bad events was applied (seed, text)
+        assert done["status"] == "completed" and len(pcm) == 4 * 2048 * 2 and done["usage"]["sentences"] == 1
+    deadline = time.time() + 10
+    while count("CALL speak OK", "replica_chimera_tts_*.log") <= calls and time.time() < deadline:
+        time.sleep(0.2)  # Ray writes its logs asynchronously; the good utterance's line comes after the bad ones
+    assert count("CALL speak OK", "replica_chimera_tts_*.log") > calls
+    assert count("Traceback") == tracebacks
 
 
 # --- websocket ------------------------------------------------------------------------------------------------
@@ -237,6 +342,42 @@ def test_ws_cancel_stops_deltas_and_socket_stays(serve_url):
         seen: list = []
         pcm, done = _utterance(ws, seen)  # no delta of the cancelled response comes after its done
         assert rid not in seen and done["status"] == "completed" and len(pcm) > 0
+
+
+def test_ws_fields_checked_and_each_has_its_effect(serve_url, openai_client):
+    """Issue 10, defect 7 on the websocket: an unknown event or session field is an ``unsupported_parameter``
+    error naming it (nothing applied); voice, speed, seed and model each have their effect, the audio of an
+    utterance equals the HTTP endpoint's for the same text, voice and seed."""
+    base = _pcm(openai_client)
+    with connect(_ws_url(serve_url)) as ws:
+        created = json.loads(ws.recv(timeout=30))
+        for event, param in [({"type": "session.update", "session": {"seed": 3, "instructions": "calm"}},
+                               "session.instructions"),
+                              ({"type": "session.update", "session": {"response_format": "wav"}},
+                               "session.response_format"),
+                              ({"type": "input_text.append", "text": "Lost.", "event_id": "e1"}, "event_id"),
+                              ({"type": "input_text.commit", "response": {}}, "response"),
+                              ({"type": "response.cancel", "id": "x"}, "id")]:
+            _send(ws, **event)
+            m = json.loads(ws.recv(timeout=30))
+            assert m["type"] == "error" and (m["error"]["code"], m["error"]["param"]) == ("unsupported_parameter",
+                                                                                          param), m
+        _send(ws, type="session.update", session={})
+        assert json.loads(ws.recv(timeout=30)) == {"type": "session.updated", "session": created["session"]}
+
+        def utterance(**session) -> np.ndarray:
+            _send(ws, type="session.update", session=session)
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
+            _send(ws, type="input_text.append", text="Hello there.")
+            _send(ws, type="input_text.commit")
+            pcm, done = _utterance(ws)
+            assert done["status"] == "completed" and done["usage"]["sentences"] == 1  # "Lost." was never added
+            return np.frombuffer(pcm, dtype="<i2")
+
+        assert np.array_equal(utterance(seed=3, model="chimera-tts"), base)  # seed (and model) as over HTTP
+        assert np.array_equal(utterance(speed=2.0), base[::2])  # speed: see test_each_documented_field_...
+        leah = utterance(speed=1.0, voice="leah")
+        assert np.array_equal(leah, _pcm(openai_client, voice="leah")) and not np.array_equal(leah, base)
 
 
 def _gauge(serve_url: str) -> float:
@@ -354,8 +495,10 @@ def test_speech_metrics_recorded(serve_url, openai_client):
 
 
 # --- loop guard through the router (scripted looping model; no Ray) -------------------------------------------
-def test_loop_guard_reported_in_usage(profile, model_dir):
-    from starlette.testclient import TestClient
+@pytest.fixture(scope="module")
+def looping_app(profile, model_dir):
+    """The speech router over a Deployment whose LM is the scripted LoopingLM (no Ray): ``(app, deployment)``."""
+    import torch
 
     from services.app import build_app
     from services.backends import LocalBackend
@@ -363,25 +506,59 @@ def test_loop_guard_reported_in_usage(profile, model_dir):
     from tests.test_audio_engine import LoopingLM
     from audio.engine import TTSEngine
 
-    import torch
-
     before = torch.get_num_threads()
     dep = Deployment(profile.tts.model_dump(mode="json"), str(model_dir))  # sets 1 torch thread, as in Ray
     e = dep.engine
     cfg = e.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
     dep.engine = TTSEngine(cfg, LoopingLM(e.layout, e.tokenizer, e.lm.config.vocab_size), e.tokenizer, e.snac)
-    app = build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)})
+    yield build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)}), dep
+    torch.set_num_threads(before)
+
+
+def test_loop_guard_reported_in_usage(looping_app):
+    from starlette.testclient import TestClient
+
+    app, dep = looping_app
     t0 = time.perf_counter()
-    try:
-        with TestClient(app) as client:
-            r = client.post("/v1/audio/speech", json={"input": "One is fine. Now loop forever. Three is fine.",
-                                                      "voice": "tara", "response_format": "pcm", "stream_format": "sse"})
-    finally:
-        torch.set_num_threads(before)
+    with TestClient(app) as client:
+        r = client.post("/v1/audio/speech", json={"input": "One is fine. Now loop forever. Three is fine.",
+                                                  "voice": "tara", "response_format": "pcm", "stream_format": "sse"})
     assert r.status_code == 200 and time.perf_counter() - t0 < 60
     events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
     usage = events[-1]["usage"]
     assert usage["loops"] == [{"sentence": 1, "retries": 1, "cut_short": True}]
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert len(pcm) == 2 * 6 * 2048 * 2  # sentences 0 and 2 in full (6 frames each); the loop dropped
+    assert dep.running == 0
+
+
+def test_no_audio_is_a_clear_error_never_an_empty_200(looping_app):
+    """Issue 10, defect 5: when nothing at all is left to play (every sentence a loop cut back to nothing),
+    every response shape answers 500 ``no_audio`` before any byte (the status line is not sent until the first
+    event), and the websocket sends an ``error`` event, a ``failed`` done, and stays open."""
+    from starlette.testclient import TestClient
+
+    app, dep = looping_app
+    with TestClient(app) as client:
+        for extra in ({"response_format": "wav"}, {"response_format": "pcm", "stream_format": "sse"},
+                      {"response_format": "wav", "stream": False}, {"response_format": "mp3"}):
+            r = client.post("/v1/audio/speech", json={"input": "Loop forever. Loop again", "seed": 9} | extra)
+            assert r.status_code == 500, (extra, r.status_code, r.content[:60])
+            err = r.json()["error"]
+            assert (err["code"], err["type"]) == ("no_audio", "server_error") and "no audio" in err["message"]
+        with client.websocket_connect("/v1/audio/speech/stream") as ws:
+            assert ws.receive_json()["type"] == "session.created"
+            ws.send_json({"type": "input_text.append", "text": "Loop forever."})
+            ws.send_json({"type": "input_text.commit"})
+            m = ws.receive_json()
+            assert m["type"] == "error" and m["error"]["code"] == "no_audio", m
+            done = ws.receive_json()
+            assert done["type"] == "response.audio.done" and done["status"] == "failed"
+            assert done["usage"]["audio_seconds"] == 0.0
+            ws.send_json({"type": "input_text.append", "text": "Fine now."})
+            ws.send_json({"type": "input_text.commit"})
+            pcm = bytearray()
+            while (m := ws.receive_json())["type"] == "response.audio.delta":
+                pcm += base64.b64decode(m["delta"])
+            assert m["type"] == "response.audio.done" and m["status"] == "completed" and len(pcm) == 6 * 2048 * 2
     assert dep.running == 0

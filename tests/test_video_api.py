@@ -1,7 +1,8 @@
 """``/v1/videos`` end to end: the real Ray Serve app of the cpu profile, the official ``openai`` SDK as client.
 
-Sizes are tiny (64x64, 9 frames per clip at 2 fps = 4 s per clip, 2 denoising steps) so the whole file runs in
-well under a minute once the service is up.
+Sizes are tiny (64x64, 9 frames per clip at 2 fps, 2 denoising steps) so the whole file runs in well under a
+minute once the service is up. Durations follow :mod:`video.request`: ``seconds`` s at 2 fps is ``2 * seconds``
+frames (``"4"``: one clip cut to 8 frames), and the object's ``seconds`` is the served MP4's frames / fps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def _wait(client, video_id, timeout=180):
 def _frames(client, video_id):
     frames, fps = decode_video(client.videos.download_content(video_id).content)
     return frames, fps
+
+
+def _assert_lasts(video, frames, fps):
+    """The object's ``seconds`` is the served file's duration (frames / fps), to the label's 6 digits."""
+    assert abs(len(frames) / fps - float(video.seconds)) < 1e-5 * len(frames) / fps, (video.seconds, len(frames), fps)
 
 
 def _extend(client, video_id, **kw):
@@ -71,7 +77,8 @@ def test_text_to_video(openai_client, t2v):
     assert extra["clips_total"] == extra["clips_done"] == 1
     assert extra["phase"] is None  # a finished job has no phase (README)
     frames, fps = _frames(openai_client, v.id)
-    assert frames.shape == (9, 64, 64, 3) and fps == 2
+    assert frames.shape == (8, 64, 64, 3) and fps == 2  # 4 s at 2 fps (was 9 frames = 4.5 s)
+    _assert_lasts(v, frames, fps)
     thumb = openai_client.videos.download_content(v.id, variant="thumbnail")
     from PIL import Image
 
@@ -84,9 +91,10 @@ def test_image_to_video_from_a_photograph(openai_client, astronaut):
                                     extra_body=FAST)
     v = _wait(openai_client, v.id)
     assert v.status == "completed", v.error
-    assert v.model_extra["clips_total"] == 2
-    frames, _ = _frames(openai_client, v.id)
-    assert frames.shape == (17, 64, 64, 3)  # 2 chained clips, no repeated frame at the seam
+    assert v.model_extra["clips_total"] == 2 and v.seconds == "8"
+    frames, fps = _frames(openai_client, v.id)
+    assert frames.shape == (16, 64, 64, 3)  # 2 chained clips, no repeated frame at the seam, cut to 8 s
+    _assert_lasts(v, frames, fps)
 
 
 def test_extend_appends_to_the_original(openai_client, t2v):
@@ -95,11 +103,12 @@ def test_extend_appends_to_the_original(openai_client, t2v):
     e = _extend(openai_client, t2v.id, prompt="the light turns on", seconds="4")
     assert e.status == "queued" and e.seconds == "8"
     e = _wait(openai_client, e.id)
-    assert e.status == "completed", e.error
-    frames, _ = _frames(openai_client, e.id)
-    assert frames.shape == (17, 64, 64, 3)
-    head = np.abs(frames[:9].astype(float) - original.astype(float)).mean()
-    other = np.abs(frames[9:].astype(float) - original[:8].astype(float)).mean()
+    assert e.status == "completed" and e.seconds == "8", e.error  # the whole joined video: 4 s + 4 s
+    frames, fps = _frames(openai_client, e.id)
+    assert frames.shape == (16, 64, 64, 3)
+    _assert_lasts(e, frames, fps)
+    head = np.abs(frames[:8].astype(float) - original.astype(float)).mean()
+    other = np.abs(frames[8:].astype(float) - original.astype(float)).mean()
     assert head < 6 and head < other / 3, (head, other)
 
 
@@ -110,7 +119,7 @@ def test_extend_by_multipart_video_id(serve_url, openai_client, t2v):
                    files={"video[id]": (None, t2v.id)})  # a multipart field without filename
     assert r.status_code == 200, r.text
     e = _wait(openai_client, r.json()["id"])
-    assert e.status == "completed" and _frames(openai_client, e.id)[0].shape == (17, 64, 64, 3)
+    assert e.status == "completed" and _frames(openai_client, e.id)[0].shape == (16, 64, 64, 3)
 
 
 def test_idempotency_key_returns_the_same_job(openai_client, serve_url):
@@ -140,7 +149,26 @@ def test_vllm_omni_fields_in_json(serve_url, openai_client):
     v = _wait(openai_client, r.json()["id"])
     assert v.status == "completed" and v.size == "32x64"
     frames, fps = _frames(openai_client, v.id)
-    assert frames.shape == (5, 64, 32, 3) and fps == 4
+    assert frames.shape == (5, 64, 32, 3) and fps == 4 and v.seconds == "1.25"  # one 5-frame clip, no seconds
+
+
+def test_non_ascii_text_in_every_body_encoding(serve_url, openai_client):
+    """Valid UTF-8 stays text in multipart (the SDK), urlencoded (raw and %-encoded) and JSON bodies; only text
+    that is not valid Unicode is refused (``invalid_unicode``, tested with the bad requests)."""
+    prompt = "café ☕ über"
+    v = openai_client.videos.create(prompt=prompt, size="64x64", extra_body=FAST)
+    sent = [(v.id, v.prompt)]
+    for kw in ({"content": b"prompt=caf%C3%A9+%E2%98%95+%C3%BCber&size=64x64&num_inference_steps=2",
+                "headers": {"content-type": "application/x-www-form-urlencoded"}},
+               {"content": "prompt=café ☕ über&size=64x64&num_inference_steps=2".encode(),
+                "headers": {"content-type": "application/x-www-form-urlencoded"}},
+               {"json": {"prompt": prompt, "size": "64x64", "num_inference_steps": 2}}):
+        r = httpx.post(f"{serve_url}/v1/videos", **kw)
+        assert r.status_code == 200, r.text
+        sent.append((r.json()["id"], r.json()["prompt"]))
+    assert [p for _, p in sent] == [prompt] * 4
+    for video_id, _ in sent:
+        assert openai_client.videos.delete(video_id).deleted is True
 
 
 def test_download_of_an_unfinished_job_is_409(openai_client, serve_url):
@@ -179,6 +207,9 @@ def test_unknown_id_is_404(openai_client, serve_url):
     ({"input_reference": ("x.png", b"this is not an image", "image/png")}, 415, "input_reference",
      "unsupported_media_type"),
     ({"extra_body": {"num_frames": 8}}, 400, "num_frames", "invalid_frame_count"),
+    ({"extra_body": {"num_frames": 1}}, 400, "num_frames", "invalid_frame_count"),
+    ({"extra_body": {"response_format": "mp4"}}, 400, "response_format", "unsupported_parameter"),
+    ({"extra_body": {"n": 2}}, 400, "n", "unsupported_parameter"),
     ({"extra_body": {"size": "64x64", "width": 32}}, 400, "size", "invalid_size"),
     ({"extra_body": {"guidance_scale": 99}}, 400, "guidance_scale", "invalid_value"),
     ({"model": "no-such-model"}, 404, "model", "model_not_found"),
@@ -223,6 +254,25 @@ def _b64_png(img) -> str:
     ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("bomb.png", "BOMB", "image/png")}},
      413, "too_large"),
     ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400, "invalid_value"),
+    # fields the service does not implement are named, never ignored (JSON, multipart, extensions)
+    ("post", "/v1/videos", {"json": {"prompt": "x", "quality": "high"}}, 400, "unsupported_parameter"),
+    ("post", "/v1/videos", {"data": {"prompt": "x", "remix_video_id": "v"}, "files": {"n": (None, "1")}}, 400,
+     "unsupported_parameter"),
+    ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4", "video": {"id": "v"}, "size": "64x64"}},
+     400, "unsupported_parameter"),
+    ("post", "/v1/videos/extensions", {"data": {"prompt": "x", "seconds": "4", "video[id]": "v", "style": "noir"},
+                                       "files": {"n": (None, "1")}}, 400, "unsupported_parameter"),
+    # a lone UTF-16 surrogate escaped in JSON; its bytes (not UTF-8) in multipart and urlencoded fields
+    ("post", "/v1/videos", {"content": b'{"prompt": "a \\ud800 cat"}', "headers": {"content-type": "application/json"}},
+     400, "invalid_unicode"),
+    ("post", "/v1/videos", {"content": b'{"prompt": "x", "negative_prompt": "\\udc00"}',
+                            "headers": {"content-type": "application/json"}}, 400, "invalid_unicode"),
+    ("post", "/v1/videos/extensions", {"content": b'{"prompt": "\\ud800", "seconds": "4", "video": {"id": "v"}}',
+                                       "headers": {"content-type": "application/json"}}, 400, "invalid_unicode"),
+    ("post", "/v1/videos", {"content": "MULTIPART-SURROGATE"}, 400, "invalid_unicode"),
+    ("post", "/v1/videos", {"content": b"prompt=a%ED%A0%80", "headers": {"content-type":
+                                                                         "application/x-www-form-urlencoded"}}, 400,
+     "invalid_unicode"),
     ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4"}}, 400,
      "missing_required_parameter"),                                                               # no video
     ("post", "/v1/videos/extensions", {"json": {"seconds": "4", "video": {"id": "v"}}}, 400,
@@ -240,6 +290,10 @@ def _b64_png(img) -> str:
 ])
 def test_bad_requests_over_http(serve_url, method, path, kw, status, code):
     before = _newest(serve_url)
+    if kw.get("content") == "MULTIPART-SURROGATE":  # the UTF-8-style bytes of U+D800 in a form field
+        body = (b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na \xed\xa0\x80 cat\r\n--b\r\n'
+                b'Content-Disposition: form-data; name="size"\r\n\r\n64x64\r\n--b--\r\n')
+        kw = {"content": body, "headers": {"content-type": "multipart/form-data; boundary=b"}}
     files = kw.get("files", {})
     if files.get("input_reference", (None, None))[1] == "BOMB":  # 5000x4000 pixels in a small PNG
         from PIL import Image
@@ -250,6 +304,10 @@ def test_bad_requests_over_http(serve_url, method, path, kw, status, code):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == code and err["message"], err
+    if code == "unsupported_parameter":  # the first field not implemented is named
+        assert err["param"] in ("quality", "remix_video_id", "n", "size", "style") and err["param"] in err["message"]
+    if code == "invalid_unicode" and "urlencoded" not in str(kw.get("headers")):
+        assert err["param"] in ("prompt", "negative_prompt"), err
     assert _newest(serve_url) == before
 
 
@@ -351,9 +409,31 @@ def test_image_url_data_and_uploaded_video_extension(serve_url, openai_client, a
     mp4 = openai_client.videos.download_content(t2v.id).content
     e = openai_client.videos.extend(video=("clip.mp4", mp4, "video/mp4"), prompt="more", seconds="4")
     e = _wait(openai_client, e.id)
-    assert e.status == "completed", e.error
-    frames, _ = _frames(openai_client, e.id)
-    assert frames.shape == (17, 64, 64, 3)
+    assert e.status == "completed" and e.seconds == "8", e.error  # the uploaded 4 s + 4 s
+    frames, fps = _frames(openai_client, e.id)
+    assert frames.shape == (16, 64, 64, 3)
+    _assert_lasts(e, frames, fps)
+
+
+def test_served_video_lasts_the_requested_seconds(openai_client):
+    """Through the SDK (``create_and_poll``): ``seconds="5"`` at 2 fps is 10 frames, two chained clips (9 + a
+    5-frame clip cut to 1 new frame), and the MP4 lasts 5 s; extending it by 3 s adds 6 frames (16 = 8 s) and
+    the object reports the total. Durations are whole frames: the checks are exact, and within one frame of
+    the request is what the rule promises."""
+    v = openai_client.videos.create_and_poll(prompt="a kite", seconds="5", size="64x64", poll_interval_ms=200,
+                                             extra_body={**FAST, "seed": 2})
+    assert v.status == "completed" and v.seconds == "5" and v.model_extra["clips_total"] == 2, v.error
+    frames, fps = _frames(openai_client, v.id)
+    assert (len(frames), fps) == (10, 2)
+    _assert_lasts(v, frames, fps)
+    assert abs(len(frames) / fps - 5) <= 1 / fps
+    e = _wait(openai_client, _extend(openai_client, v.id, prompt="higher", seconds="3").id)
+    assert e.status == "completed" and e.seconds == "8", e.error
+    joined, fps = _frames(openai_client, e.id)
+    assert (len(joined), fps) == (16, 2)
+    _assert_lasts(e, joined, fps)
+    assert abs((len(joined) - len(frames)) / fps - 3) <= 1 / fps  # the added length is what was asked
+    assert np.abs(joined[:10].astype(float) - frames.astype(float)).mean() < 6  # the source, re-encoded
 
 
 def test_list_newest_first_and_metrics(serve_url, openai_client, t2v):

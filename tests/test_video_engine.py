@@ -41,7 +41,7 @@ def test_plan_defaults_and_chaining(cfg):
     assert (r.width, r.height, r.frames_per_clip, r.num_clips, r.fps) == (64, 64, 9, 1, 2)
     assert r.total_frames == 9
     r = plan_request(cfg, {"prompt": "a cat", "seconds": "12", "size": "96x64"})
-    assert (r.width, r.height, r.num_clips, r.total_frames) == (96, 64, 3, 25)
+    assert (r.width, r.height, r.num_clips, r.total_frames) == (96, 64, 3, 24)
     # vLLM-Omni field names, strings as multipart sends them
     r = plan_request(cfg, {"prompt": "x", "width": "32", "height": "64", "num_frames": "13", "fps": "4",
                            "seconds": "6", "drift_correction": "false", "sparsity": "0.5"})
@@ -60,6 +60,9 @@ def test_plan_defaults_and_chaining(cfg):
     ({"seconds": 33}, "seconds", "limit"),
     ({"seconds": "abc"}, "seconds", "number"),
     ({"num_frames": 10}, "num_frames", "4k+1"),
+    ({"num_frames": 1}, "num_frames", "at least 5 frames"),
+    ({"num_frames": 4}, "num_frames", "at least 5 frames"),
+    ({"num_frames": 0}, "num_frames", "at least 5 frames"),
     ({"num_frames": 37}, "num_frames", "limit"),
     ({"num_inference_steps": 0}, "num_inference_steps", "between"),
     ({"sparsity": 0}, "sparsity", "(0, 1]"),
@@ -80,6 +83,9 @@ def test_plan_rejects(cfg, fields, param, needle):
     ({"seconds": 0}, "invalid_duration"), ({"seconds": 33}, "invalid_duration"),
     ({"prompt": "x" * 2001}, "prompt_too_long"), ({"sparsity": 0}, "invalid_value"),
     ({"seconds": "abc"}, "invalid_value"), ({"prompt": None}, "invalid_value"),
+    ({"num_frames": 1}, "invalid_frame_count"), ({"num_frames": "3"}, "invalid_frame_count"),
+    ({"response_format": "mp4"}, "unsupported_parameter"), ({"n": 2}, "unsupported_parameter"),
+    ({"prompt": "a \ud800 cat"}, "invalid_unicode"), ({"negative_prompt": "\udfff"}, "invalid_unicode"),
 ])
 def test_plan_errors_carry_a_stable_code_across_processes(cfg, fields, code):
     import pickle
@@ -114,6 +120,112 @@ def test_media_errors_carry_a_stable_code():
 def test_num_frames_error_suggests_neighbours(cfg):
     with pytest.raises(RequestError, match="use 9 or 13"):
         plan_request(cfg, {"prompt": "a", "num_frames": 11})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 0, -7])
+def test_too_few_frames_is_not_called_a_bad_form(cfg, n):
+    """``num_frames: 1`` is 4*0+1, so "not of the form 4k+1" was wrong: a clip has at least 5 frames."""
+    with pytest.raises(RequestError) as e:
+        plan_request(cfg, {"prompt": "a", "num_frames": n})
+    assert (e.value.param, e.value.code) == ("num_frames", "invalid_frame_count")
+    assert f"num_frames {n} is too few: a clip has at least 5 frames" in str(e.value)
+    assert "not of the form" not in str(e.value)
+
+
+def test_unknown_fields_are_refused_by_name(cfg):
+    """No field is accepted and silently ignored: the first one not implemented is named."""
+    for name in ("response_format", "quality", "remix_video_id", "num_videos"):
+        with pytest.raises(RequestError) as e:
+            plan_request(cfg, {"prompt": "a", "seconds": "4", name: "x"})
+        assert (e.value.param, e.value.code) == (name, "unsupported_parameter"), name
+        assert name in str(e.value)
+
+
+# ---- duration: the rule of video.request, against both profiles' configs (no model needed) -------------------
+def _profile_cfg(name):
+    from services.profiles import load_profile
+
+    return load_profile(name).video.engine
+
+
+# (profile, fields, expected frames T, clips N, last clip frames); the issue's figures first
+DURATIONS = [
+    ("cpu", {"seconds": "5"}, 10, 2, 5),             # was 17 frames = 8.5 s
+    ("cpu", {"seconds": "3.5"}, 7, 1, 9),            # was 9 frames = 4.5 s
+    ("cpu", {"seconds": "4"}, 8, 1, 9),
+    ("cpu", {"seconds": "8"}, 16, 2, 9),
+    ("cpu", {"seconds": "12"}, 24, 3, 9),
+    ("cpu", {"seconds": "32"}, 64, 8, 9),
+    ("cpu", {}, 9, 1, 9),                            # no seconds: one full clip, 4.5 s
+    ("cpu", {"seconds": "2", "num_frames": 13, "fps": 4}, 8, 1, 9),
+    ("gpu", {"seconds": 8}, 192, 2, 73),             # was 241 frames = 10.04 s
+    ("gpu", {"seconds": 3, "fps": 5}, 15, 1, 17),    # was 121 frames = 24.2 s
+    ("gpu", {"seconds": "4"}, 96, 1, 97),
+    ("gpu", {"seconds": 60}, 1440, 12, 121),
+    ("gpu", {}, 121, 1, 121),
+]
+
+
+@pytest.mark.parametrize("profile_name,fields,frames,clips,last", DURATIONS)
+def test_duration_is_what_was_asked(profile_name, fields, frames, clips, last):
+    cfg = _profile_cfg(profile_name)
+    r = plan_request(cfg, {"prompt": "a cat", **fields})
+    assert (r.total_frames, r.num_clips, r.last_clip_frames) == (frames, clips, last)
+    assert r.duration_s == frames / r.fps
+    if "seconds" in fields:  # within half a frame of the request (exact here: seconds * fps is whole)
+        assert r.duration_s == float(fields["seconds"])
+    assert r.generated_frames - 4 <= r.total_frames <= r.generated_frames  # the cut drops at most 4 frames
+
+
+@pytest.mark.parametrize("profile_name", ["cpu", "gpu"])
+@pytest.mark.parametrize("continuation", [False, True])
+def test_duration_rule_holds_on_a_grid(profile_name, continuation):
+    """Every accepted (seconds, fps, num_frames) on a grid: each clip is 4k+1 frames in [5, F], the clips join
+    into at least the T frames asked (at most 4 more, then cut), the fewest clips are used, and T / fps is within
+    half a frame of ``seconds`` (T is a whole number of frames: |T - seconds * fps| <= 1/2; when T is raised
+    to 1 for a very short request, within one frame)."""
+    cfg = _profile_cfg(profile_name)
+    lim, checked = cfg.limits, 0
+    for fps in (1, 2, 5, 16, 24, 30, 60):
+        for frames in sorted({5, 9, 17, cfg.defaults.frames_per_clip}):
+            for tenth in range(1, int(lim.max_seconds * 10) + 1, 7):
+                s = tenth / 10
+                try:
+                    r = plan_request(cfg, {"prompt": "x", "seconds": s, "fps": fps, "num_frames": frames},
+                                     continuation=continuation)
+                except RequestError as e:
+                    assert e.code == "invalid_duration" and "clips" in str(e), (s, fps, frames, e)
+                    continue
+                checked += 1
+                per_clip = [r.clip_frames(k) for k in range(r.num_clips)]
+                assert all((f - 1) % 4 == 0 and 5 <= f <= frames for f in per_clip), per_clip
+                assert per_clip[:-1] == [frames] * (r.num_clips - 1)
+                assert r.total_frames <= r.generated_frames <= r.total_frames + 4
+                fewer = r.generated_frames - (per_clip[-1] - 1)  # the same without the last clip
+                assert r.num_clips == 1 or fewer < r.total_frames
+                bound = 1 / fps if r.total_frames == 1 else 0.5 / fps
+                assert abs(r.duration_s - s) <= bound + 1e-9, (s, fps, frames, r.total_frames)
+    assert checked > 300  # not vacuous: 372-1148 accepted requests per case
+
+
+def test_extension_seconds_are_the_added_frames(cfg):
+    """An extension's clips all drop their first frame (the source's last frame): ``seconds`` 4 at 2 fps adds 8
+    frames, one 9-frame clip."""
+    r = plan_request(cfg, {"prompt": "on", "seconds": "4"}, continuation=True)
+    assert (r.total_frames, r.num_clips, r.generated_frames, r.continuation) == (8, 1, 8, True)
+    r = plan_request(cfg, {"prompt": "on", "seconds": "5"}, continuation=True)
+    assert (r.total_frames, r.num_clips, r.last_clip_frames, r.generated_frames) == (10, 2, 5, 12)
+
+
+def test_requests_stored_before_the_rule_keep_their_length(cfg):
+    """A queued job written by the previous version (no ``target_frames``) still runs: all clips kept."""
+    d = plan_request(cfg, {"prompt": "x", "seconds": "8"}).to_dict()
+    for k in ("target_frames", "last_clip_frames", "continuation"):
+        d.pop(k)
+    from video.request import VideoRequest
+
+    old = VideoRequest.from_dict(d)
+    assert (old.total_frames, old.num_clips, old.clip_frames(1)) == (17, 2, 9)
 
 
 # ---- colour ---------------------------------------------------------------------------------------------------
@@ -159,6 +271,18 @@ def test_chain_seams_and_seeds():
     assert res.kept_per_clip == [8, 8]
 
 
+def test_chain_cut_to_total_frames():
+    """``total_frames`` cuts the end of the last clip; the last frame kept is the one a later extension starts from."""
+    def clip_fn(k, cond, seed):
+        return torch.arange(9, dtype=torch.float32).view(9, 1, 1, 1).expand(9, 3, 2, 2) / 10 + k
+
+    res = chain_clips(clip_fn, 2, clip_seeds(0, 2), drift_correction=False, total_frames=12)
+    assert res.frames.shape[0] == 12 and res.kept_per_clip == [9, 3]
+    assert float(res.frames[-1].mean()) == pytest.approx(1.3)  # clip 1, frame 3
+    with pytest.raises(ValueError, match="fewer than"):
+        chain_clips(clip_fn, 2, clip_seeds(0, 2), drift_correction=False, total_frames=18)
+
+
 def _darker(fn):
     """The model, wrapped so that each clip comes out 5% darker than its conditioning frame."""
     def wrapped(k, cond, seed):
@@ -171,7 +295,7 @@ def _darker(fn):
 
 def test_drift_correction_keeps_luma_over_four_clips(engine, cfg, photo):
     req = plan_request(cfg, {"prompt": "an astronaut", "seconds": 16, "num_inference_steps": 2, "seed": 1})
-    assert req.num_clips == 4
+    assert req.num_clips == 4 and req.total_frames == 32
 
     def first_is_photo(fn):
         inner = _darker(fn)
@@ -182,7 +306,7 @@ def test_drift_correction_keeps_luma_over_four_clips(engine, cfg, photo):
     off = engine.generate(req, wrap=first_is_photo)
     first = mean_luma(on.frames[:9])
     last_on, last_off = mean_luma(on.frames[-8:]), mean_luma(off.frames[-8:])
-    assert on.frames.shape == off.frames.shape == (33, 3, 64, 64)
+    assert on.frames.shape == off.frames.shape == (32, 3, 64, 64)
     assert abs(last_on - first) / first < 0.02
     assert (first - last_off) / first > 0.12
 
@@ -192,7 +316,7 @@ def test_text_and_image_to_video(engine, cfg, photo):
     events = []
     req = plan_request(cfg, {"prompt": "a cat", "seconds": 8, "num_inference_steps": 2, "seed": 3})
     res = engine.generate(req, on_progress=events.append)
-    assert res.frames.shape == (17, 3, 64, 64) and res.frames.dtype == torch.float32
+    assert res.frames.shape == (16, 3, 64, 64) and res.frames.dtype == torch.float32  # 8 s at 2 fps
     assert 0 <= float(res.frames.min()) and float(res.frames.max()) <= 1
     assert [e.done for e in events][-1] == events[-1].total - 1 == 6  # 2 clips x (2 steps + decode); encode left
     assert {e.phase for e in events} == {"denoising", "decoding", "encoding"}
@@ -202,6 +326,18 @@ def test_text_and_image_to_video(engine, cfg, photo):
     req = plan_request(cfg, {"prompt": "an astronaut", "num_inference_steps": 2, "seed": 3}, has_image=True)
     res = engine.generate(req, image=photo)
     assert res.frames.shape == (9, 3, 64, 64)
+
+
+def test_short_last_clip_and_continuation_lengths(engine, cfg, photo):
+    """5 s at 2 fps: a full clip then a 5-frame image-to-video clip, cut to 10 frames; an extension of 4 s from
+    a frame adds exactly 8 frames (its first frame, the source's last, is not repeated)."""
+    req = plan_request(cfg, {"prompt": "a cat", "seconds": "5", "num_inference_steps": 2, "seed": 4})
+    res = engine.generate(req)
+    assert res.frames.shape == (10, 3, 64, 64) and res.kept_per_clip == [9, 1]
+    ext = plan_request(cfg, {"prompt": "on", "seconds": "4", "num_inference_steps": 2, "seed": 4},
+                       continuation=True)
+    res = engine.generate(ext, image=photo)
+    assert res.frames.shape == (8, 3, 64, 64) and res.kept_per_clip == [8]
 
 
 def test_sparse_attention_request(engine, cfg):

@@ -102,31 +102,38 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     ray.kill(mgr)  # the service dies mid-job
     assert _gone(rec["worker_pid"]), "the job's worker outlived its manager"
 
-    # a job still queued when the service died (never started): written straight into the store
+    # a job still queued when the service died (never started): written straight into the store as the newest
+    # job, derived from the running job's row (no wall-clock gap between jobs is assumed). 1000 s ahead: as if the
+    # clock had stepped back across the restart.
     from services.jobs import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path}/jobs.sqlite", tmp_path / "results")
-    row = store.get(done)
+    row, running_row = store.get(done), store.get(running)
+    assert running_row["created_at"] > row["created_at"]  # the manager stamps creation order, however fast
     queued = "video_queued_at_crash"
     (tmp_path / "results" / queued).mkdir()
     store.insert({**{k: row[k] for k in ("model", "prompt", "seconds", "size", "params", "clips_total")},
-                  "id": queued, "created_at": row["created_at"] + 0.5, "status": "queued", "phase": "queued",
-                  "progress": 0, "clips_done": 0})
+                  "id": queued, "created_at": running_row["created_at"] + 1000.0, "status": "queued",
+                  "phase": "queued", "progress": 0, "clips_done": 0})
     store.engine.dispose()
 
     mgr2, _ = _manager(ray, profile, model_dir, tmp_path)  # a new service on the same store and results
     page = ray.get(mgr2.list.remote())
-    assert [v["id"] for v in page["data"]] == [running, queued, done]
+    assert [v["id"] for v in page["data"]] == [queued, running, done]
+    newer = _submit(ray, mgr2, cfg, num_inference_steps=2)  # a new job sorts newest, whatever the clock says
+    assert [v["id"] for v in ray.get(mgr2.list.remote())["data"]] == [newer, queued, running, done]
     assert _wait(ray, mgr2, queued, lambda r: r["status"] not in ("queued", "in_progress"))["status"] == "completed"
     v = ray.get(mgr2.get.remote(running))
     assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
     assert v["phase"] is None  # finished jobs report no phase
     assert ray.get(mgr2.get.remote(done))["status"] == "completed"
-    frames, _ = decode_video(ray.get(mgr2.content.remote(done)))
-    assert frames.shape == (9, 64, 64, 3)
+    frames, fps = decode_video(ray.get(mgr2.content.remote(done)))
+    assert frames.shape == (9, 64, 64, 3) and fps == 2
+    assert ray.get(mgr2.get.remote(done))["seconds"] == "4.5"  # one 9-frame clip at 2 fps, as served
     with pytest.raises(Exception) as e:  # the interrupted job has no content: 409
         ray.get(mgr2.content.remote(running))
     assert e.value.cause.status_code == 409
+    assert _wait(ray, mgr2, newer, lambda r: r["status"] not in ("queued", "in_progress"))["status"] == "completed"
     ray.kill(mgr2)
 
 

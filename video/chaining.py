@@ -4,7 +4,9 @@ What keeps chains from drifting (see design notes): the last frame is handed ove
 (never re-read from an encoded file), each clip gets a fresh seed (:func:`clip_seeds`), the VAE encodes in
 fp32 (the engine's job), and every clip after the first is colour-matched to the FIRST clip
 (:mod:`video.drift`). The first frame of clip k+1 re-creates clip k's last frame, so it is dropped at the
-seam: N clips of F frames join into ``1 + N (F - 1)`` frames with no repeated frame.
+seam: N clips of F frames join into ``1 + N (F - 1)`` frames with no repeated frame. ``total_frames`` cuts the
+joined frames to a requested length (the last clip may be longer than what is left: see
+:mod:`video.request` for the duration rule).
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def check_finite(frames: torch.Tensor, what: str) -> None:
 
 def chain_clips(clip_fn: ClipFn, num_clips: int, seeds: list[int], first_image: torch.Tensor | None = None,
                 drift_correction: bool = True, reference: ColorStats | None = None, continuation: bool = False,
-                on_clip_done: Callable[[int], None] | None = None) -> ChainResult:
+                on_clip_done: Callable[[int], None] | None = None, total_frames: int | None = None) -> ChainResult:
     """Generate ``num_clips`` clips with ``clip_fn`` and join them.
 
     ``first_image``: conditioning frame of clip 0 (None: text-to-video). ``reference``: colour statistics to
     match (extensions pass the original video's); by default the first clip's. ``continuation``: the video
     continues an existing one ending in ``first_image``, so clip 0's first frame is dropped too.
-    Raises NonFiniteOutputError on NaN/Inf output.
+    ``total_frames``: keep only the first ``total_frames`` joined frames (the end of the last clip is cut;
+    ``kept_per_clip`` counts what stays); None keeps all. Raises NonFiniteOutputError on NaN/Inf output,
+    ValueError when fewer than ``num_clips`` seeds are given or the clips join into fewer than ``total_frames``.
     """
     if len(seeds) < num_clips:
         raise ValueError(f"need {num_clips} seeds, got {len(seeds)}")
@@ -77,4 +81,15 @@ def chain_clips(clip_fn: ClipFn, num_clips: int, seeds: list[int], first_image: 
         cond = clip[-1].clone()
         if on_clip_done is not None:
             on_clip_done(k)
-    return ChainResult(frames=torch.cat(parts), reference=reference, kept_per_clip=kept)
+    frames = torch.cat(parts)
+    if total_frames is not None:
+        if total_frames > frames.shape[0]:
+            raise ValueError(f"the clips join into {frames.shape[0]} frames, fewer than the {total_frames} asked")
+        frames, cut = frames[:total_frames], frames.shape[0] - total_frames
+        while cut:  # drop the cut frames from the counts, last clip first
+            n = min(cut, kept[-1])
+            kept[-1] -= n
+            cut -= n
+            if kept[-1] == 0 and cut:
+                kept.pop()
+    return ChainResult(frames=frames, reference=reference, kept_per_clip=kept)

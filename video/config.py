@@ -42,7 +42,8 @@ class VideoLimits(_Strict):
 
 class VideoDefaults(_Strict):
     """Values used when a request leaves them out. ``frames_per_clip`` must be 4k+1 (Wan's VAE compresses
-    time by 4); a clip then lasts ``(frames_per_clip - 1) / fps`` seconds."""
+    time by 4); a lone clip lasts ``frames_per_clip / fps`` seconds and each chained clip adds
+    ``frames_per_clip - 1`` frames (the duration rule: :mod:`video.request`)."""
 
     width: int = 832
     height: int = 480

@@ -118,8 +118,9 @@ class VideoEngine:
 
     @torch.no_grad()
     def generate_clip(self, req: VideoRequest, image: torch.Tensor | None, seed: int, embeds,
-                      on_step: Callable[[int], None] | None = None) -> torch.Tensor:
-        """One clip of ``req.frames_per_clip`` frames: float32 ``(F, 3, H, W)`` in [0, 1].
+                      on_step: Callable[[int], None] | None = None, num_frames: int | None = None) -> torch.Tensor:
+        """One clip of ``num_frames`` (default ``req.frames_per_clip``; 4k+1) frames: float32 ``(F, 3, H, W)``
+        in [0, 1].
 
         ``image``: conditioning frame float ``(3, H, W)`` in [0, 1] (image-to-video) or None (text-to-video).
         ``embeds``: from :meth:`encode_prompt`. ``on_step(i)`` runs after denoising step ``i`` (0-based).
@@ -134,7 +135,7 @@ class VideoEngine:
             return {}
 
         common = dict(prompt_embeds=pe, negative_prompt_embeds=ne, height=req.height, width=req.width,
-                      num_frames=req.frames_per_clip, num_inference_steps=req.num_inference_steps,
+                      num_frames=num_frames or req.frames_per_clip, num_inference_steps=req.num_inference_steps,
                       guidance_scale=req.guidance_scale, output_type="pt",
                       generator=torch.Generator(device="cpu").manual_seed(seed),
                       callback_on_step_end=callback)
@@ -148,13 +149,15 @@ class VideoEngine:
         return out.frames[0].to(torch.float32).cpu()
 
     def generate(self, req: VideoRequest, image: torch.Tensor | None = None, reference: ColorStats | None = None,
-                 continuation: bool = False, on_progress: Callable[[Progress], None] | None = None,
+                 continuation: bool | None = None, on_progress: Callable[[Progress], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  wrap: Callable[[ClipFn], ClipFn] | None = None) -> ChainResult:
-        """The whole video: ``req.num_clips`` chained clips, joined and drift-corrected.
+        """The whole video: ``req.num_clips`` chained clips (clip ``k`` of ``req.clip_frames(k)`` frames), joined,
+        drift-corrected and cut to ``req.total_frames`` frames (the duration rule of :mod:`video.request`).
 
-        ``image``: float ``(3, H, W)`` in [0, 1] for image-to-video or continuing a video (``continuation``:
-        its frame is not repeated). ``reference``: drift reference of a video being extended.
+        ``image``: float ``(3, H, W)`` in [0, 1] for image-to-video or continuing a video (``continuation``,
+        default ``req.continuation``: its frame is not repeated). ``reference``: drift reference of a video
+        being extended.
         ``on_progress``: called per denoising step and per decode. ``should_stop``: polled every step
         (raises JobCancelled). ``wrap``: wraps the per-clip function (tests and notebooks make the model
         misbehave on purpose with it). Returns a ChainResult (frames float32 ``(T, 3, H, W)``).
@@ -179,12 +182,14 @@ class VideoEngine:
         def clip_fn(k: int, cond: torch.Tensor | None, s: int) -> torch.Tensor:
             state["clip"] = k
             report("denoising", k * (steps + 1))
-            return self.generate_clip(req, cond, s, embeds, on_step)
+            return self.generate_clip(req, cond, s, embeds, on_step, num_frames=req.clip_frames(k))
 
         def on_clip_done(k: int):
             state["clip"] = k + 1
             report("denoising" if k + 1 < req.num_clips else "encoding", (k + 1) * (steps + 1))
 
         fn = wrap(clip_fn) if wrap is not None else clip_fn
+        continuation = req.continuation if continuation is None else continuation
         return chain_clips(fn, req.num_clips, seeds, first_image=image, drift_correction=req.drift_correction,
-                           reference=reference, continuation=continuation, on_clip_done=on_clip_done)
+                           reference=reference, continuation=continuation, on_clip_done=on_clip_done,
+                           total_frames=req.target_frames)

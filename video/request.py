@@ -3,11 +3,24 @@
 Field names are OpenAI's Videos API (``prompt``, ``model``, ``seconds``, ``size="WxH"``) plus vLLM-Omni's
 (``width``, ``height``, ``num_frames``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``,
 ``seed``, ``fps``) and ours (``sparsity``, ``drift_correction``). Values may arrive as strings (multipart forms).
+Any other field is refused (RequestError, code ``unsupported_parameter``, ``param`` naming it): nothing is
+accepted and silently ignored.
 
-Duration: a clip has ``F`` frames (``num_frames``, else the profile's ``frames_per_clip``; always 4k+1, Wan's
-VAE compresses time by 4: diffusers would silently round, we refuse) and covers ``(F - 1) / fps`` seconds;
-chained clips share their seam frame, so ``N`` clips give ``1 + N (F - 1)`` frames. ``seconds`` asks for
-``N = ceil(seconds * fps / (F - 1))`` clips; without ``seconds`` one clip is made.
+Duration (the rule): an MP4 of ``n`` frames at ``fps`` lasts ``n / fps`` seconds, and that is what the Video
+object's ``seconds`` reports. ``seconds`` asks for ``T = max(1, floor(seconds * fps + 1/2))`` frames (for an
+extension: ``T`` frames added after the source video's last frame), so the video lasts the requested seconds
+within half a frame (within one frame when ``T`` is raised to 1). Without ``seconds`` the video is one clip of
+``F`` frames (``F / fps`` seconds; an extension adds ``F - 1``).
+
+Clips: ``F`` (``num_frames``, else the profile's ``frames_per_clip``) is the length of a full clip; it is always
+4k+1 with k >= 1 (Wan's VAE compresses time by 4: diffusers would silently round, we refuse). Chained clips
+share their seam frame (clip k+1 starts from clip k's last frame, which is not repeated), so clip 0 contributes
+all its frames and every later clip (every clip of an extension) ``F - 1`` new ones. The video takes the fewest
+clips that reach ``T`` frames: ``N = max(1, ceil((T - c) / (F - 1)))`` with ``c = 1`` (``c = 0`` for an
+extension). The last clip is shortened to the smallest 4k+1 length (at least 5) that still covers the frames
+left, and the joined frames are cut to exactly ``T`` (at most 4 frames of the last clip are dropped). E.g.
+cpu profile (``F = 9``, 2 fps): ``seconds 5`` -> 10 frames = 9 + a 5-frame clip (4 new, 1 kept) = 5.0 s;
+gpu profile (``F = 121``, 24 fps): ``seconds 8`` -> 192 frames = 121 + a 73-frame clip (72 new, 71 kept) = 8.0 s.
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 class RequestError(ValueError):
     """A request field is invalid; ``param`` names it, ``code`` is a stable machine-readable reason (the HTTP
     layer answers 400 with both). Codes: ``invalid_value`` (default), ``invalid_size``, ``invalid_frame_count``,
-    ``invalid_duration``, ``prompt_too_long``, ``unsupported_input``."""
+    ``invalid_duration``, ``prompt_too_long``, ``unsupported_input``, ``unsupported_parameter`` (a field this
+    service does not implement), ``invalid_unicode`` (text with a lone UTF-16 surrogate), and
+    ``missing_required_parameter``."""
 
     status_code = 400
 
@@ -40,9 +55,9 @@ class RequestError(ValueError):
 
 
 class VideoParams(BaseModel):
-    """Raw request fields (unknown fields are ignored, so vLLM-Omni and OpenAI clients both work)."""
+    """Raw request fields: OpenAI's, vLLM-Omni's and ours (module doc). Unknown fields are refused."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     prompt: str
     model: str | None = None
@@ -67,7 +82,13 @@ class VideoParams(BaseModel):
 
 @dataclass
 class VideoRequest:
-    """A validated request: everything the engine needs (sizes in pixels, ``fps`` in Hz)."""
+    """A validated request: everything the engine needs (sizes in pixels, ``fps`` in Hz).
+
+    ``frames_per_clip``: frames of a full clip; ``last_clip_frames``: frames generated for the last clip
+    (4k+1, <= ``frames_per_clip``; None: a full clip); ``target_frames``: frames the job produces (an
+    extension: the frames it adds), the joined clips cut to it (None: every generated frame is kept);
+    ``continuation``: the video continues an existing one (clip 0's first frame is that video's last, dropped).
+    Records written before ``target_frames`` existed load with the defaults and keep their old length."""
 
     prompt: str
     negative_prompt: str
@@ -82,27 +103,73 @@ class VideoRequest:
     sparsity: float = 1.0
     drift_correction: bool = True
     seconds: float | None = None
+    target_frames: int | None = None
+    last_clip_frames: int | None = None
+    continuation: bool = False
+
+    def clip_frames(self, k: int) -> int:
+        """Frames generated for clip ``k`` (0-based): ``frames_per_clip``, the last clip ``last_clip_frames``."""
+        if k == self.num_clips - 1 and self.last_clip_frames is not None:
+            return self.last_clip_frames
+        return self.frames_per_clip
+
+    @property
+    def generated_frames(self) -> int:
+        """Frames the chained clips join into, before the cut to ``target_frames``."""
+        return (0 if self.continuation else 1) + sum(self.clip_frames(k) - 1 for k in range(self.num_clips))
 
     @property
     def total_frames(self) -> int:
-        """Frames of the joined video: ``1 + num_clips * (frames_per_clip - 1)``."""
-        return 1 + self.num_clips * (self.frames_per_clip - 1)
+        """Frames this job produces (an extension: the frames it adds to the source video)."""
+        return self.generated_frames if self.target_frames is None else self.target_frames
 
     @property
     def size(self) -> str:
+        """``"WxH"``."""
         return f"{self.width}x{self.height}"
 
     @property
     def duration_s(self) -> float:
-        """Seconds the requested clips cover (``seconds`` if given)."""
-        return self.seconds if self.seconds is not None else self.num_clips * (self.frames_per_clip - 1) / self.fps
+        """Seconds the produced frames last in the MP4: ``total_frames / fps``."""
+        return self.total_frames / self.fps
 
     def to_dict(self) -> dict:
+        """A plain dict (JSON-serialisable) of the fields."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "VideoRequest":
+        """Inverse of :meth:`to_dict`."""
         return cls(**d)
+
+
+def seconds_label(frames: int, fps: float) -> str:
+    """The Video object's ``seconds``: the duration ``frames / fps`` of an MP4, as a decimal string (``"4"``,
+    ``"4.5"``; 6 significant digits, so it is off by less than 1e-5 relative)."""
+    return f"{frames / fps:g}"
+
+
+def plan_frames(seconds: float | None, fps: int, frames_per_clip: int, continuation: bool = False
+                ) -> tuple[int, int, int]:
+    """The duration rule of the module doc: ``(target_frames, num_clips, last_clip_frames)`` for ``seconds``
+    (None: one full clip) at ``fps`` with full clips of ``frames_per_clip`` (4k+1 >= 5) frames. Pure
+    arithmetic; limits are checked by :func:`plan_request`."""
+    c, step = (0 if continuation else 1), frames_per_clip - 1
+    if seconds is None:
+        return frames_per_clip - 1 + c, 1, frames_per_clip
+    target = max(1, math.floor(seconds * fps + 0.5))
+    clips = max(1, -(-(target - c) // step))
+    rest = target - c - (clips - 1) * step  # new frames the last clip must add, in [0, step]
+    last = max(5, 4 * -(-rest // 4) + 1)
+    return target, clips, last
+
+
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _first_error(err: ValidationError) -> RequestError:
@@ -112,14 +179,25 @@ def _first_error(err: ValidationError) -> RequestError:
     return RequestError(f"{param}: {e['msg']}", param, code)
 
 
-def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> VideoRequest:
-    """Validate raw request ``fields`` against the profile (``cfg.defaults``, ``cfg.limits``).
+def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, continuation: bool = False
+                 ) -> VideoRequest:
+    """Validate raw request ``fields`` against the profile (``cfg.defaults``, ``cfg.limits``) and plan the
+    clips (module doc). ``continuation``: the request extends an existing video (``seconds`` is the added length).
 
-    Raises RequestError (a ValueError; HTTP 400) naming the field: unknown ``size`` strings, ``size`` and
-    ``width``/``height`` that disagree, sizes not multiples of ``cfg.size_multiple`` or over the limits,
-    ``seconds`` <= 0 or over ``max_seconds``, ``num_frames`` not 4k+1, too many clips, prompt too long,
-    ``sparsity`` outside (0, 1], image input on a model without image-to-video.
+    Raises RequestError (a ValueError; HTTP 400) naming the field: a field not implemented here
+    (``unsupported_parameter``), text with a lone surrogate (``invalid_unicode``), unknown ``size`` strings,
+    ``size`` and ``width``/``height`` that disagree, sizes not multiples of ``cfg.size_multiple`` or over the
+    limits, ``seconds`` <= 0 or over ``max_seconds``, ``num_frames`` under 5 or not 4k+1 or over the limit, too
+    many clips, prompt too long, ``sparsity`` outside (0, 1], image input on a model without image-to-video.
     """
+    for name in fields:
+        if name not in VideoParams.model_fields:
+            raise RequestError(f"{name} is not supported by this service (unknown video request field)",
+                               str(name), "unsupported_parameter")
+    for name in ("prompt", "negative_prompt"):
+        if isinstance(fields.get(name), str) and _lone_surrogate(fields[name]):
+            raise RequestError(f"{name} is not valid Unicode text (it holds a lone UTF-16 surrogate)", name,
+                               "invalid_unicode")
     try:
         p = VideoParams.model_validate(fields)
     except ValidationError as err:
@@ -162,8 +240,12 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
     if not 1 <= fps <= 60:
         raise RequestError(f"fps {fps} must be between 1 and 60", "fps")
     frames = d.frames_per_clip if p.num_frames is None else p.num_frames
-    if frames < 5 or (frames - 1) % 4:
-        lo = max(5, (frames - 1) // 4 * 4 + 1)
+    if frames < 5:
+        raise RequestError(f"num_frames {frames} is too few: a clip has at least 5 frames (4k+1 with k >= 1; "
+                           f"Wan's VAE compresses time by 4); use 5 or more, or ask for a length with seconds",
+                           "num_frames", "invalid_frame_count")
+    if (frames - 1) % 4:
+        lo = (frames - 1) // 4 * 4 + 1
         raise RequestError(f"num_frames {frames} is not of the form 4k+1 (Wan's VAE compresses time by 4); "
                            f"use {lo} or {lo + 4}", "num_frames", "invalid_frame_count")
     if frames > lim.max_frames_per_clip:
@@ -175,9 +257,7 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
         if p.seconds > lim.max_seconds:
             raise RequestError(f"seconds {p.seconds:g} is over the limit of {lim.max_seconds:g}", "seconds",
                                "invalid_duration")
-        clips = max(1, math.ceil(p.seconds * fps / (frames - 1) - 1e-9))
-    else:
-        clips = 1
+    target, clips, last = plan_frames(p.seconds, fps, frames, continuation)
     if clips > lim.max_clips:
         raise RequestError(f"{p.seconds:g} s at {fps} fps needs {clips} clips of {frames} frames; the limit is "
                            f"{lim.max_clips} clips", "seconds", "invalid_duration")
@@ -201,4 +281,4 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False) -> Vid
                         else p.negative_prompt, width=width, height=height, frames_per_clip=frames,
                         num_clips=clips, fps=fps, num_inference_steps=steps, guidance_scale=guidance,
                         seed=p.seed, sparsity=sparsity, drift_correction=p.drift_correction,
-                        seconds=p.seconds)
+                        seconds=p.seconds, target_frames=target, last_clip_frames=last, continuation=continuation)
