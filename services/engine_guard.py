@@ -1,14 +1,14 @@
 """Process-group guard: run a command as a child and take its whole process group down with it.
 
-Usage: ``python guard.py <command> [args...]`` (run by file path, stdlib only, so any interpreter can run it).
-:class:`llmproc.process.ServerProcess` starts this guard as the leader of a new session with
+Usage: ``python engine_guard.py <command> [args...]`` (run by file path, stdlib only, so any interpreter can run it).
+:class:`services.engine_process.ServerProcess` starts this guard as the leader of a new session with
 ``PR_SET_PDEATHSIG(SIGTERM)``; the guard starts the engine server in the same process group. vLLM's API server
 spawns its engine-core and worker processes, which outlive a killed API server unless someone reaps them: the
 guard is that someone. When the command exits (crash, kill), or when the guard gets SIGTERM/SIGINT/SIGHUP
 (supervisor stopping it, or the supervisor's process dying), it sends SIGTERM to the command, waits up to
 ``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Should the guard be SIGKILLed
 itself, the command dies with it (``PR_SET_PDEATHSIG``) and the command's own Python children follow their
-parents down (``llmproc/engine_site/sitecustomize.py``, activated by ``LLMPROC_DIE_WITH_PARENT=1``). Exit status: the command's
+parents down (``services/engine_site/sitecustomize.py``, activated by ``CHIMERA_ENGINE_DIE_WITH_PARENT=1``). Exit status: the command's
 (128 + N when the command, or the guard itself, was killed by signal N).
 """
 
@@ -44,7 +44,7 @@ def kill_group_but_me() -> None:
 
 def main(argv: list[str]) -> int:
     """Run ``argv`` guarded (see the module docstring); returns the command's exit status."""
-    env = dict(os.environ, LLMPROC_DIE_WITH_PARENT="1")  # llmproc/engine_site/sitecustomize.py, for the command
+    env = dict(os.environ, CHIMERA_ENGINE_DIE_WITH_PARENT="1")  # engine_site/sitecustomize.py, for the command
     child = subprocess.Popen(argv, env=env, preexec_fn=_die_with_guard)
 
     def down(signum, frame):
