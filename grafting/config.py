@@ -93,7 +93,7 @@ class CollapseGuardConfig(_Strict):
 
 
 class VLLMOptions(_Strict):
-    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``llmproc/process.py``).
+    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/vllm_server.py``).
 
     ``python``: the vLLM venv's interpreter (relative paths are resolved against the repository root;
     ``make install`` builds ``.venv-vllm``). ``dtype``: the engine's dtype (None: the engine's ``dtype``).

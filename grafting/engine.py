@@ -3,8 +3,8 @@
 Loads tower, projector and LLM with ``from_pretrained`` (hub ids or directories), builds the processor, and
 answers OpenAI-style conversations, streamed token by token or whole. Two LLM backends (``from_config(backend=)``):
 ``transformers`` decodes in this process (:mod:`grafting.generate`, :mod:`grafting.batching`: the exact
-reference) and ``vllm`` in a supervised vLLM server (:mod:`grafting.vllm_backend`); both stream the same
-:class:`~grafting.generate.Delta` events.
+reference) and ``vllm`` in a vLLM server that the caller owns and hands in as a client (:mod:`grafting.vllm_backend`,
+:mod:`grafting.llm_client`); both stream the same :class:`~grafting.generate.Delta` events.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from .config import VLMConfig
 from .generate import Delta, SamplingParams, generate_stream
+from .llm_client import LLMClient
 from .model import GraftedVLM
 from .processor import GraftProcessor, ImageLimitsView, Prompt, PromptError
 from .projector import GraftProjector
@@ -43,7 +44,9 @@ class Completion:
     total_s: float
 
 
-def _resolve(model_dir: Path | None, p: str) -> str:
+def resolve_path(model_dir: str | Path | None, p: str) -> str:
+    """``p`` joined to ``model_dir`` when relative and present there, else ``p`` as given (an absolute path or a
+    hub id)."""
     if model_dir is not None and not Path(p).is_absolute() and (Path(model_dir) / p).exists():
         return str(Path(model_dir) / p)
     return p
@@ -53,8 +56,8 @@ class VLMEngine:
     """Grafted VLM engine.
 
     Args: model (:class:`GraftedVLM`), processor (:class:`GraftProcessor`), config (:class:`VLMConfig`),
-    vllm (:class:`~grafting.vllm_backend.VLLMBackend` for ``backend="vllm"``; then ``model.llm`` is
-    only the LLM's embedding table).
+    vllm (:class:`~grafting.vllm_backend.VLLMBackend` for ``backend="vllm"``, over an injected
+    :class:`~grafting.llm_client.LLMClient`; then ``model.llm`` is only the LLM's embedding table).
     Errors: :meth:`prepare` raises PromptError / ImageInputError (ValueError subclasses with ``status_code``);
     :meth:`generate` raises PromptError when ``max_tokens`` is out of range; the ``vllm`` backend raises
     EngineUnavailableError (503) while its server is down.
@@ -80,21 +83,25 @@ class VLMEngine:
 
     @classmethod
     def from_config(cls, config: VLMConfig, model_dir: str | Path | None = None,
-                    backend: str = "transformers") -> "VLMEngine":
+                    backend: str = "transformers", llm_client: LLMClient | None = None) -> "VLMEngine":
         """Load everything named by ``config`` (paths relative to ``model_dir``). Raises OSError when a
         checkpoint is missing (run ``chimera prepare``).
 
         ``backend``: ``transformers`` (the default: the in-process reference that training, evaluation, notebooks
         and tests use) or ``vllm`` (what the service runs when the profile's ``vlm.engine.backend`` says so: only
-        the LLM's embedding table is loaded here and the vLLM server is started, not awaited - see :meth:`ready`;
-        FileNotFoundError when its interpreter is missing: run ``make install``). ValueError for another name."""
+        the LLM's embedding table is loaded here; ``llm_client`` is the client of the vLLM server that the caller
+        started and owns, e.g. ``services.vllm_server.start_vllm_for(config, model_dir)``; it need not be ready
+        yet - see :meth:`ready`). ValueError for another backend name, for ``vllm`` without ``llm_client`` or for
+        ``transformers`` with one."""
         if backend not in ("transformers", "vllm"):
             raise ValueError(f"unknown backend {backend!r} (transformers | vllm)")
+        if (backend == "vllm") != (llm_client is not None):
+            raise ValueError("the vllm backend takes an llm_client (and only it does)")
         from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
 
         dtype = DTYPES[config.dtype]
-        tower_path = _resolve(model_dir, config.tower)
-        llm_path = _resolve(model_dir, config.llm)
+        tower_path = resolve_path(model_dir, config.tower)
+        llm_path = resolve_path(model_dir, config.llm)
         device_map = "auto" if config.device == "auto" else None
         tower_device = "cuda:0" if config.device == "auto" else config.device
         if backend == "vllm":
@@ -112,7 +119,7 @@ class VLMEngine:
             if device_map is None:
                 llm = llm.to(config.device)
         tower = load_tower(tower_path, dtype=dtype, device=tower_device, key_prefix=config.tower_key_prefix)
-        projector = GraftProjector.from_pretrained(_resolve(model_dir, config.projector),
+        projector = GraftProjector.from_pretrained(resolve_path(model_dir, config.projector),
                                                    dtype=DTYPES[config.projector_dtype]).to(tower_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(llm_path)
         image_processor = Kimi_K25ImageProcessor.from_pretrained(
@@ -136,7 +143,7 @@ class VLMEngine:
         if backend == "vllm":
             from .vllm_backend import VLLMBackend
 
-            engine.vllm = VLLMBackend(config, llm_path, model, engine.eos_token_ids).start()
+            engine.vllm = VLLMBackend(config, model, engine.eos_token_ids, llm_client)
         return engine
 
     def ready(self) -> bool:
@@ -145,10 +152,10 @@ class VLMEngine:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until :meth:`ready` (the ``vllm`` server up) or ``timeout`` seconds; returns :meth:`ready`."""
-        return self.vllm is None or self.vllm.server.wait_ready(timeout)
+        return self.vllm is None or self.vllm.wait_ready(timeout)
 
     def close(self) -> None:
-        """Stop the ``vllm`` backend's server (nothing to do for ``transformers``)."""
+        """Release the ``vllm`` backend's client, which stops its server (nothing to do for ``transformers``)."""
         if self.vllm is not None:
             self.vllm.close()
 

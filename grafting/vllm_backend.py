@@ -1,6 +1,7 @@
 """The ``vllm`` backend of :class:`grafting.engine.VLMEngine`: the LLM's decode runs in vLLM's OpenAI server.
 
-Tower and projector run here (our environment); vLLM, in its own venv and process (``llmproc.process``), gets
+Tower and projector run here (our environment); vLLM, in its own venv and process (started and owned by the serving
+layer, which hands the engine an :class:`~grafting.llm_client.LLMClient`: model code never imports it), gets
 the prompt as token ids when there is no image (so a text-only answer is the base LLM's, and prefix caching and
 n-gram lookup see the ids), or as prompt embeddings when there are images: the LLM's own embedding rows for the
 text tokens and the projected image features at the placeholder positions (``GraftedVLM.embed``, bit-identical
@@ -20,23 +21,20 @@ import io
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmproc.client import CompletionRequest, CompletionsClient, EngineRequestError, EngineUnavailableError
-from llmproc.process import ServerProcess, ServerSpec
-
 from .config import VLMConfig
 from .generate import Delta, SamplingParams
+from .llm_client import EngineRequestError, EngineUnavailableError, LLMClient
 from .model import GraftedVLM
 from .processor import Prompt
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SERVED_NAME = "chimera-llm"
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+SERVED_NAME = "chimera-llm"  # the name the vLLM server serves the LLM under (services/vllm_server.py)
 EMBED_KEY_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight")
 SUPPRESS_BIAS = -100.0  # OpenAI's most negative logit_bias: a suppressed id is never sampled
 
@@ -92,40 +90,45 @@ def load_input_embeddings(llm_path: str, dtype: torch.dtype, device: str = "cpu"
     raise OSError(f"no input-embedding tensor ({', '.join(EMBED_KEY_SUFFIXES)}) in the checkpoint {llm_path}")
 
 
-def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
-    """The vLLM OpenAI server command for ``config`` (``vlm.engine.vllm`` options) serving ``llm_path``.
+@dataclass
+class CompletionRequest:
+    """One vLLM ``/v1/completions`` request. Exactly one of ``prompt`` (token ids) and ``prompt_embeds`` (base64
+    ``torch.save`` of a ``(T, H)`` float tensor) is set. ``logprobs``: None for none, else the number of top
+    alternatives (0-20) besides the sampled token. ``logit_bias``: token id (as a string) -> additive bias.
+    ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict, e.g. ``{"json": schema}`` or
+    ``{"json_object": true}``.
+    """
 
-    Context = ``max_prompt_tokens + max_new_tokens``; ``--max-num-seqs`` = ``max_batch_size``;
-    ``--generation-config vllm`` so the checkpoint's sampling defaults never override a request (we send every
-    sampling field); ``--enable-prompt-embeds`` for prompts with images; structured outputs emit compact JSON
-    (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
-    newlines until ``max_tokens``, and an answer cut there does not parse."""
-    o = config.vllm
-    python = o.python if Path(o.python).is_absolute() else str(REPO_ROOT / o.python)
-    args = ["--model", llm_path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or config.dtype,
-            "--max-model-len", str(config.max_prompt_tokens + config.max_new_tokens),
-            "--max-num-seqs", str(config.max_batch_size), "--tensor-parallel-size", str(o.tensor_parallel_size),
-            "--enable-prompt-embeds", "--generation-config", "vllm", "--max-logprobs", "20",
-            "--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-            "--disable-uvicorn-access-log"]
-    if o.enforce_eager:
-        args.append("--enforce-eager")
-    if o.gpu_memory_utilization is not None:
-        args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if o.cpu_kvcache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kvcache_space_gib)
-    if o.cpu_threads is not None:  # share the host's cores: no pinning, a bounded OpenMP pool
-        env.update(OMP_NUM_THREADS=str(o.cpu_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
-    return ServerSpec(python=python, module=VLLM_MODULE, args=args + list(o.extra_args), env=env,
-                      startup_timeout_s=o.startup_timeout_s)
+    model: str
+    max_tokens: int
+    prompt: list[int] | None = None
+    prompt_embeds: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body (streaming, token ids returned, logprob tokens as ``token_id:<id>``, usage in the last
+        chunk, special tokens skipped in the text). Raises ValueError unless exactly one prompt form is set."""
+        if (self.prompt is None) == (self.prompt_embeds is None):
+            raise ValueError("exactly one of prompt and prompt_embeds must be given")
+        b = {k: v for k, v in asdict(self).items() if v is not None}
+        b.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True,
+                 return_tokens_as_token_ids=True, skip_special_tokens=True)
+        return b
 
 
 def structured_outputs(response_format: dict | None) -> dict | None:
     """An OpenAI ``response_format`` (as validated by ``VLMEngine.response_format``) -> vLLM's structured outputs:
     ``{"json": schema}`` or ``{"json_object": True}``. The server runs them without optional whitespace
-    (:func:`server_spec`)."""
+    (``services/vllm_server.py``)."""
     if response_format is None:
         return None
     if response_format["type"] == "json_object":
@@ -141,38 +144,33 @@ def embeds_payload(embeds: torch.Tensor) -> str:
 
 
 class VLLMBackend:
-    """Runs the LLM's decode in a supervised vLLM server (see the module docstring).
+    """Runs the LLM's decode in a vLLM server through ``client`` (an :class:`~grafting.llm_client.LLMClient`, see
+    the module docstring).
 
-    ``start()`` spawns the server (non-blocking), ``ready()`` tells whether it serves now, ``generate(...)``
-    streams :class:`~grafting.generate.Delta` events like the ``transformers`` backend (same text, token ids,
-    logprob layout, finish reasons ``stop`` | ``length``), ``close()`` stops the server.
+    ``ready()`` tells whether the engine serves now, ``generate(...)`` streams :class:`~grafting.generate.Delta`
+    events like the ``transformers`` backend (same text, token ids, logprob layout, finish reasons ``stop`` |
+    ``length``), ``close()`` releases the client.
     Raises EngineUnavailableError (HTTP 503) when the server is down or dies mid-request, EngineRequestError
     (HTTP 400) when vLLM refuses a request.
     """
 
-    def __init__(self, config: VLMConfig, llm_path: str, model: GraftedVLM, eos_token_ids: set[int]):
+    def __init__(self, config: VLMConfig, model: GraftedVLM, eos_token_ids: set[int], client: LLMClient):
         self.config = config
         self.model = model
         self.eos_token_ids = eos_token_ids
-        self.server = ServerProcess(server_spec(config, llm_path))
-
-    @property
-    def client(self) -> CompletionsClient:
-        """A client of the server's current address (it moves after a failed start)."""
-        return CompletionsClient(self.server.base_url)
-
-    def start(self) -> "VLLMBackend":
-        """Spawn the server under supervision (returns at once; see :meth:`ready`)."""
-        self.server.start()
-        return self
+        self.client = client
 
     def ready(self) -> bool:
-        """True while the server is up and healthy (False while starting, restarting, failed or stopped)."""
-        return self.server.state == "ready"
+        """True while the engine is up and healthy (False while starting, restarting, failed or stopped)."""
+        return self.client.state == "ready"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`ready` or ``timeout`` seconds; returns :meth:`ready`."""
+        return self.client.wait_ready(timeout)
 
     def close(self) -> None:
-        """Stop the server and its supervision."""
-        self.server.stop()
+        """Release the client (its engine process stops)."""
+        self.client.close()
 
     @torch.inference_mode()
     def prompt_embeddings(self, prompt: Prompt) -> torch.Tensor:
@@ -201,7 +199,7 @@ class VLLMBackend:
         """The client's chunks; vLLM compiles a request's grammar after the response has begun, so a refusal then
         is a schema it cannot compile: it names ``response_format``."""
         try:
-            async for chunk in self.client.stream(req):
+            async for chunk in self.client.stream(req.body()):
                 yield chunk
         except EngineRequestError as exc:
             if structured and exc.param is None:
@@ -215,7 +213,7 @@ class VLLMBackend:
         ends the stream without an event of its own (as in the ``transformers`` backend), but is counted.
         Closing the iterator closes the HTTP stream, which aborts the request in vLLM."""
         if not self.ready():
-            raise EngineUnavailableError(f"the language-model engine is {self.server.state}; retry shortly")
+            raise EngineUnavailableError(f"the language-model engine is {self.client.state}; retry shortly")
         req = await self.request(prompt, params, response_format)
         n, finish, usage_n = 0, None, None
         async for chunk in self._stream(req, response_format is not None):

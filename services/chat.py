@@ -54,7 +54,20 @@ class Deployment:
         cfg = FamilySection[VLMConfig].model_validate(section)
         if cfg.deployment.torch_threads:
             torch.set_num_threads(cfg.deployment.torch_threads)
-        self.engine = VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend)
+        self.server = None  # the vLLM server process this replica owns (backend vllm)
+        llm_client = None
+        if cfg.engine.backend == "vllm":
+            from .vllm_server import start_vllm_for
+
+            llm_client = start_vllm_for(cfg.engine, model_dir)
+            self.server = llm_client.server
+        try:
+            self.engine = VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
+                                                llm_client=llm_client)
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
         self.batcher = self.engine.batcher() if self.engine.backend == "transformers" else None
 
     async def ready(self) -> bool:
@@ -66,14 +79,8 @@ class Deployment:
         """Ray Serve's periodic replica health check. Raises RuntimeError when the vllm backend's server has given
         up (state ``failed``: its starts keep failing), so that Ray replaces the replica; a server that is starting
         or restarting is healthy (``ready()`` answers for it)."""
-        vllm = self.engine.vllm
-        if vllm is not None and vllm.server.state == "failed":
-            raise RuntimeError(f"the vLLM server failed: {vllm.server.last_error}")
-
-    def __del__(self):
-        """Replica shutdown (Ray Serve calls this once in-flight requests are done): stop the batcher thread."""
-        if hasattr(self, "engine"):
-            self.engine.close()
+        if self.server is not None and self.server.state == "failed":
+            raise RuntimeError(f"the vLLM server failed: {self.server.last_error}")
 
     async def stats(self) -> dict:
         """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
@@ -81,14 +88,19 @@ class Deployment:
         if self.batcher is not None:
             return {"backend": "transformers", "active": self.batcher.active,
                     "max_batch_seen": self.batcher.max_batch_seen}
-        server = self.engine.vllm.server
+        server = self.server
         return {"backend": "vllm", "engine_state": server.state, "engine_pid": server.server_pid,
                 "engine_restarts": server.restarts}
 
     def __del__(self):
+        """Replica shutdown (Ray Serve calls this once in-flight requests are done): release the engine and stop
+        the vLLM server process this replica owns."""
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         """OpenAI ``ChatCompletionTokenLogprob``: token text, its UTF-8 bytes, logprob, top alternatives."""
@@ -138,9 +150,8 @@ class Deployment:
     async def _vllm_events(self, prompt, params, response_format):
         """``chat_stream``'s events from the vllm backend (a refusal by vLLM before the first token, such as a
         schema it cannot compile, is an input error event like ours; an unavailable engine raises)."""
-        from llmproc.client import EngineRequestError
-
         from grafting.collapse_guard import GuardReport
+        from grafting.llm_client import EngineRequestError
 
         report = GuardReport()
         gen = self._guarded(prompt, params, response_format, report)
