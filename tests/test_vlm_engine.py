@@ -322,3 +322,17 @@ def test_null_message_fields_are_accepted(engine):
             {"role": "user", "content": "bye"}]
     clean = [{"role": m["role"], "content": m["content"]} for m in msgs]
     assert engine.prepare(msgs).input_ids.tolist() == engine.prepare(clean).input_ids.tolist()
+
+
+def test_the_vllm_backend_takes_an_injected_client_and_only_it_does(profile, model_dir):
+    """The engine starts no process of its own: ``backend="vllm"`` without ``llm_client`` (or ``transformers``
+    with one) is refused before anything loads."""
+    from services.engine_client import VLLMClient
+    from services.engine_process import ServerProcess, ServerSpec
+
+    client = VLLMClient(ServerProcess(ServerSpec(python="/nonexistent/python", module="m")))  # never started
+    with pytest.raises(ValueError, match="the vllm backend takes an llm_client"):
+        VLMEngine.from_config(profile.vlm.engine, model_dir, backend="vllm")
+    with pytest.raises(ValueError, match="the vllm backend takes an llm_client"):
+        VLMEngine.from_config(profile.vlm.engine, model_dir, llm_client=client)
+    assert client.state == "stopped"

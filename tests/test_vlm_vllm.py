@@ -53,7 +53,7 @@ def deployments(vlm_profile, model_dir):
     ref = copy.deepcopy(section)
     ref["engine"]["backend"] = "transformers"
     deps = {"vllm": Deployment(section, str(model_dir)), "transformers": Deployment(ref, str(model_dir))}
-    assert deps["vllm"].engine.wait_ready(600), deps["vllm"].engine.vllm.server.log_tail()
+    assert deps["vllm"].engine.wait_ready(600), deps["vllm"].server.log_tail()
     yield deps
     deps["vllm"].engine.close()
 
@@ -170,7 +170,7 @@ def test_a_vllm_server_that_cannot_start_fails_the_replica_health_check(vlm_prof
     dep = Deployment(section, str(model_dir))
     try:
         dep.check_health()  # starting: healthy
-        assert not dep.engine.wait_ready(120) and dep.engine.vllm.server.state == "failed"
+        assert not dep.engine.wait_ready(120) and dep.server.state == "failed"
         assert not asyncio.run(dep.ready())
         with pytest.raises(RuntimeError, match="the vLLM server failed: engine process exited with code 1; gave up"):
             dep.check_health()
@@ -308,7 +308,7 @@ def test_engine_down_is_a_clean_error_and_readyz_503_then_recovery(deployments, 
     """Kill vLLM's server mid-stream: that request gets an SSE error event with code engine_unavailable, a new
     request gets a 503 with the same code, /readyz says 503; once the supervisor has restarted the server,
     answers are back and equal to those before."""
-    server = deployments["vllm"].engine.vllm.server
+    server = deployments["vllm"].server
     msgs = [{"role": "user", "content": "Write a long essay about the sea."}]
     short = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -359,7 +359,7 @@ def test_closing_the_stream_aborts_the_request_in_vllm(deployments, vlm_profile)
     request: vLLM then runs nothing, having generated fewer tokens than the whole (deterministic, greedy) answer."""
     import re
 
-    server = deployments["vllm"].engine.vllm.server
+    server = deployments["vllm"].server
     request = {"messages": [{"role": "user", "content": "Write a long essay about the sea."}], "max_tokens": 200,
                "temperature": 0}
 

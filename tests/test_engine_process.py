@@ -1,4 +1,5 @@
-"""The engine-process supervisor (llmproc/process.py) and its group guard, with a scripted stand-in server.
+"""The engine-process supervisor (services/engine_process.py) and its group guard (services/engine_guard.py),
+with a scripted stand-in server.
 
 The stand-in answers ``GET /health`` like vLLM's OpenAI server and, like it, spawns a worker process of its own
 (vLLM's engine core), so the tests can check that no process of the group outlives the supervisor's will: after
@@ -18,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from llmproc.process import ServerProcess, ServerSpec
+from services.engine_process import ServerProcess, ServerSpec
 
 STAND_IN = textwrap.dedent('''
     import argparse, http.server, os, subprocess, sys
@@ -138,7 +139,7 @@ def test_missing_interpreter_is_a_clear_error(spec):
 def test_never_orphaned_when_the_supervising_process_is_killed(spec):
     code = textwrap.dedent(f'''
         import sys, time
-        from llmproc.process import ServerProcess, ServerSpec
+        from services.engine_process import ServerProcess, ServerSpec
         s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
         print("ready" if s.wait_ready(60) else "failed", s.pid, flush=True)
         time.sleep(600)
@@ -155,7 +156,8 @@ def test_never_orphaned_when_the_supervising_process_is_killed(spec):
 
 
 def test_client_reads_vllm_logprobs_by_token_id_most_likely_first():
-    from llmproc.client import TokenLogprob, parse_logprobs
+    from grafting.llm_client import TokenLogprob
+    from services.engine_client import parse_logprobs
 
     lp = {"tokens": ["token_id:5", "token_id:9"], "token_logprobs": [-0.1, -3.0],
           "top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.0, "token_id:3": -0.5},
@@ -168,7 +170,7 @@ def test_client_reads_vllm_logprobs_by_token_id_most_likely_first():
 
 
 def test_completion_request_body():
-    from llmproc.client import CompletionRequest
+    from grafting.vllm_backend import CompletionRequest
 
     body = CompletionRequest(model="m", max_tokens=3, prompt=[1, 2]).body()
     assert body["prompt"] == [1, 2] and "prompt_embeds" not in body and "seed" not in body
@@ -182,10 +184,10 @@ def test_completion_request_body():
 
 def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec):
     """Ray SIGKILLs a dying replica's children, the guard among them: the server dies with the guard
-    (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (llmproc/engine_site/sitecustomize.py)."""
+    (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (services/engine_site/sitecustomize.py)."""
     code = textwrap.dedent(f'''
         import sys, time
-        from llmproc.process import ServerProcess, ServerSpec
+        from services.engine_process import ServerProcess, ServerSpec
         s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
         print("ready" if s.wait_ready(60) else "failed", s.pid, flush=True)
         time.sleep(600)
