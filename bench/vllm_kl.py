@@ -24,6 +24,7 @@ from skimage import data
 from grafting.engine import VLMEngine
 from grafting.synth import render, sample_scene
 from services.profiles import load_profile
+from services.vllm_server import start_vllm_for
 
 TEXT = ["What is the capital of France?", "Name a large animal.", "What is 2 plus 2?", "Say hello in Spanish.",
         "Give me a synonym for happy.", "What colour is the sky?", "Name a planet.", "Who wrote Hamlet?",
@@ -77,9 +78,10 @@ def main() -> None:
     prof = load_profile("cpu")
     cfg, model_dir = prof.vlm.engine, prof.resolved_model_dir()
     ref = VLMEngine.from_config(cfg, model_dir)
-    vl = VLMEngine.from_config(cfg, model_dir, backend="vllm")
+    client = start_vllm_for(cfg, model_dir)
     try:
-        assert vl.wait_ready(900), vl.vllm.server.log_tail()
+        vl = VLMEngine.from_config(cfg, model_dir, backend="vllm", llm_client=client)
+        assert vl.wait_ready(900), client.server.log_tail()
         kls, masses, worst, same, n_tok = [], [], 0.0, 0, 0
         for msgs in prompts():
             prompt, deltas = asyncio.run(vllm_answer(vl, msgs))
@@ -102,7 +104,7 @@ def main() -> None:
               f"max {max(kls):.3e} nats; mass covered p(S) mean {sum(masses) / len(masses):.4f}, "
               f"min {min(masses):.4f}; max |logprob diff| on S {worst:.3e}")
     finally:
-        vl.close()
+        client.close()
 
 
 if __name__ == "__main__":

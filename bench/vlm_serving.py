@@ -266,10 +266,18 @@ def http_vs_in_process(svc: Service, profile: dict, rounds: int, max_tokens: int
 
     from grafting.engine import VLMEngine
     from services.profiles import parse_profile
+    from services.vllm_server import start_vllm_for
 
     prof = parse_profile(profile)
     torch.set_num_threads(prof.vlm.deployment.torch_threads or torch.get_num_threads())
-    eng = VLMEngine.from_config(prof.vlm.engine, prof.resolved_model_dir(), backend=prof.vlm.engine.backend)
+    cfg, model_dir = prof.vlm.engine, prof.resolved_model_dir()
+    client = start_vllm_for(cfg, model_dir) if cfg.backend == "vllm" else None
+    try:
+        eng = VLMEngine.from_config(cfg, model_dir, backend=cfg.backend, llm_client=client)
+    except BaseException:
+        if client is not None:
+            client.close()
+        raise
     msgs = image_msgs(photo_url(0))
     try:
         if not eng.wait_ready(900):
