@@ -297,6 +297,8 @@ def http_vs_in_process(svc: Service, profile: dict, rounds: int, max_tokens: int
         return http, local
     finally:
         eng.close()
+        if client is not None:  # stops the in-process vLLM server
+            client.close()
 
 
 def routing(base: dict, images: int, rounds: int) -> dict:
