@@ -154,11 +154,6 @@ class VLMEngine:
         """Block until :meth:`ready` (the ``vllm`` server up) or ``timeout`` seconds; returns :meth:`ready`."""
         return self.vllm is None or self.vllm.wait_ready(timeout)
 
-    def close(self) -> None:
-        """Release the ``vllm`` backend's client, which stops its server (nothing to do for ``transformers``)."""
-        if self.vllm is not None:
-            self.vllm.close()
-
     # ------------------------------------------------------------------------------------------
     def prepare(self, messages: list[dict[str, Any]]) -> Prompt:
         """Validate and tokenize a conversation (images decoded, placeholders expanded)."""
@@ -258,10 +253,13 @@ class VLMEngine:
 
     def close(self) -> None:
         """Stop the continuous batcher if one was started (joins its thread; unfinished requests get
-        :class:`~grafting.batching.BatcherClosed`). A later :meth:`batcher` starts a new one. Idempotent."""
+        :class:`~grafting.batching.BatcherClosed`; a later :meth:`batcher` starts a new one) and release the
+        ``vllm`` backend's client, which stops its server. Idempotent."""
         batcher, self._batcher = self._batcher, None
         if batcher is not None:
             batcher.close()
+        if self.vllm is not None:
+            self.vllm.close()
 
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop)."""
