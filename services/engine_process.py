@@ -63,7 +63,8 @@ class ServerSpec:
     ``python``: the interpreter of the engine's venv; ``module``: run with ``-m``; ``args``: its arguments
     (without host/port, which the supervisor adds as ``--host``/``--port``); ``env``: extra environment
     variables; ``startup_timeout_s``: seconds from spawn to the first healthy ``/health`` before the start
-    counts as failed; ``health_period_s``: seconds between health checks; ``max_health_failures``: consecutive
+    counts as failed; ``health_period_s``: seconds between health checks; ``health_timeout_s``: seconds one check
+    may take (generous: a busy 2-core machine must not look like a hung engine); ``max_health_failures``: consecutive
     failed checks of a ready server before it is killed and restarted; ``max_start_failures``: consecutive
     failed starts before giving up (state ``failed``); ``log_path``: where its stdout/stderr go (a temporary
     file when None).
@@ -76,6 +77,7 @@ class ServerSpec:
     host: str = "127.0.0.1"
     startup_timeout_s: float = 600.0
     health_period_s: float = 1.0
+    health_timeout_s: float = 10.0
     max_health_failures: int = 3
     max_start_failures: int = 3
     log_path: str | None = None
@@ -187,7 +189,7 @@ class ServerProcess:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.base_url}/health", timeout=self.spec.health_timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -86,7 +86,7 @@ def spec(tmp_path):
     pids.touch()
     return ServerSpec(python=sys.executable, module="stand_in_engine",
                       env={"PYTHONPATH": str(tmp_path), "WORKER_PIDS": str(pids)},
-                      startup_timeout_s=CEILING_S, health_period_s=0.2, max_health_failures=2, max_start_failures=2)
+                      startup_timeout_s=CEILING_S, health_period_s=0.2, health_timeout_s=2.0, max_health_failures=2, max_start_failures=2)
 
 
 def pids_of(spec) -> list[tuple[int, int]]:
