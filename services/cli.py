@@ -68,12 +68,28 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
 
     logging.basicConfig(level=logging.INFO)
     prof = _load(profile)
-    init_ray(prof)
+    # Ray's processes (GCS, raylet and, through the raylet, every worker and replica) inherit the signal mask of
+    # the thread that starts them, and Ray itself blocks SIGINT in them (which is why Ctrl-C to the whole group
+    # leaves them to this process's shutdown). A SIGTERM to the whole group (`timeout`, container runtimes, systemd's
+    # KillMode=control-group) reached them too: the Serve controller stopped answering and serve.shutdown() waited
+    # out its fixed 30 s ("Controller failed to shut down within 30.0s"; Serve has no setting for that wait). So
+    # SIGTERM is blocked as well while Ray starts: a group SIGTERM then reaches only this process, which stops
+    # Serve and Ray exactly as for `kill <pid>`. Nothing is orphaned by this: ray.shutdown() SIGKILLs the head
+    # processes, and Ray ties them to this process's death (PR_SET_PDEATHSIG) should it be SIGKILLed itself.
+    # Only SIGTERM is blocked here: the mask is restored below, once this process's own handlers are installed,
+    # and a SIGTERM that arrived meanwhile is delivered then (to _raise_stop).
+    prev_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        init_ray(prof)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, prev_mask)
+        raise
     try:
         # After init_ray (ray.init installs its own SIGTERM handler, which exits at once with code 15) and before
         # the deployment starts, so that a signal at any moment from here on stops everything Ray started.
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, _raise_stop)
+        signal.pthread_sigmask(signal.SIG_SETMASK, prev_mask)
         url = run(prof, host, port)
         typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (Ctrl-C to stop)")
         while True:

@@ -1,6 +1,8 @@
 """``chimera serve`` as a user runs it: started as a subprocess, stopped with SIGTERM (``kill <pid>``) or SIGINT to
-its process group (what a terminal's Ctrl-C does). Issue 10, defect 8: stopping took about 36 s with SIGTERM and
-logged a controller timeout ("Controller failed to shut down within 30.0s"), about 9 s with Ctrl-C.
+its process group (what a terminal's Ctrl-C does) or SIGTERM to its process group (`timeout`, container runtimes,
+systemd KillMode=control-group). Issue 10, defect 8: stopping took about 36 s with SIGTERM and
+logged a controller timeout ("Controller failed to shut down within 30.0s"), about 9 s with Ctrl-C; SIGTERM to the
+group then still took 38-41 s and logged that timeout (it reached Ray's own processes).
 
 Starts the Ray Serve stack: run under the e2e lock (``flock /tmp/chimera-e2e.lock``)."""
 
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # track machine speed: a shutdown that waits on a timeout (Serve's controller gives up after 30 s, replicas after
 # 20 s) would still pass a tighter-looking bound on a fast machine, which is why the log is checked as well
 # (Serve logs "Controller failed to shut down within 30.0s" then).
-STOP_CEILING_S = 60
+STOP_CEILING_S = 120
 READY_CEILING_S = 600  # start-up: loading three model families on a loaded 2-core machine
 
 
@@ -35,7 +37,7 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT-group"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT-group", "SIGTERM-group"])
 def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
     """After /readyz and one chat answer (so the VLM's batcher thread has run), the signal makes ``chimera
     serve`` exit with code 0 within STOP_CEILING_S, print "shutting down", leave no process of its tree alive, and
@@ -68,7 +70,9 @@ def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
         t0 = time.monotonic()
         sig = signal.SIGINT if signame.startswith("SIGINT") else signal.SIGTERM
         if signame.endswith("-group"):
-            os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group, Ray's processes too
+            # Ctrl-C: the terminal signals the whole foreground group; SIGTERM to the group is what `timeout`,
+            # container runtimes and systemd (KillMode=control-group) send. Either reaches Ray's processes too.
+            os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
         rc = proc.wait(STOP_CEILING_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -169,7 +170,9 @@ def vlm_deployment(profile, model_dir):
 
     section = profile.vlm.model_dump(mode="json")
     section["engine"]["backend"] = "transformers"
-    return Deployment(section, str(model_dir))
+    dep = Deployment(section, str(model_dir))
+    yield dep
+    dep.engine.close()
 
 
 def test_closing_a_chat_stream_drops_the_request_from_the_batch(vlm_deployment):
@@ -180,7 +183,8 @@ def test_closing_a_chat_stream_drops_the_request_from_the_batch(vlm_deployment):
         assert events[0]["type"] == "start" and all(e["type"] == "delta" for e in events[1:])
         assert (await vlm_deployment.stats())["active"] == 1
         await agen.aclose()
-        for _ in range(100):
+        deadline = time.monotonic() + 120  # a ceiling against a hang, not a speed requirement
+        while time.monotonic() < deadline:
             if (await vlm_deployment.stats())["active"] == 0:
                 return
             await asyncio.sleep(0.05)
