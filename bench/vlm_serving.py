@@ -8,7 +8,7 @@ Everything goes over HTTP to ``chimera serve`` (the openai SDK is the client), o
    (target: vllm at 8 >= 4x the transformers backend's sequential);
 3. ``response_format`` (``json_schema``, strict) on 50 requests: the share that parses and matches the schema
    (target 100%; the transformers backend refuses JSON modes with a 400, reported as such);
-4. n-gram speculative decoding on vs off (vllm; the profile's ``vlm.engine.vllm.extra_args``): tokens/s of a
+4. n-gram speculative decoding on vs off (vllm; the profile's ``vlm.engine.vllm.speculative``): tokens/s of a
    copy-the-passage answer, where n-gram lookup proposes well, and of a free answer alternated with it (its
    rate tracks the machine's load, so copy/free compares the two services fairly), and whether the greedy
    answers are equal;
@@ -50,7 +50,7 @@ import yaml  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # A sensible request bounds what it asks for: with unbounded strings the small model ran on inside a string until
 # max_tokens cut it (12 of 50 at 200 tokens). Bounded, the longest answer the schema admits is about 40 + 5 * 20
 # characters of content plus ~40 of structure, i.e. at most ~210 tokens (a token is at least one character), so
@@ -117,10 +117,7 @@ def bench_profile(base: dict, backend: str, replicas: int = 1, spec: bool = Fals
     vlm["deployment"] = dict(vlm.get("deployment", {}), num_replicas=replicas, max_ongoing_requests=8)
     eng = vlm["engine"]
     eng.update(backend=backend, max_batch_size=8)
-    if spec:
-        v = dict(eng.get("vllm", {}))
-        v["extra_args"] = list(v.get("extra_args", [])) + ["--speculative-config", NGRAM]
-        eng["vllm"] = v
+    eng["vllm"] = dict(eng.get("vllm", {}), speculative=NGRAM if spec else None)  # off unless measuring it
     return prof
 
 

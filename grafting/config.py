@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -92,6 +94,41 @@ class CollapseGuardConfig(_Strict):
         return v
 
 
+class NgramSpeculation(_Strict):
+    """n-gram (prompt lookup) speculative decoding in vLLM: propose the ``num_speculative_tokens`` tokens that
+    followed the last match of the latest ``prompt_lookup_min``..``prompt_lookup_max`` tokens in the context (prompt
+    ids and answer so far); no draft model. Lossless under greedy verification. Pays off when answers copy from the
+    prompt (quotes, code edits, extraction). With an embeddings-only prompt (images) the lookup sees no prompt ids.
+    Keys as vLLM 0.32's ``--speculative-config`` (``vllm/config/speculative.py``); our defaults 2..4 are the ones
+    ``bench/vlm_serving.py`` measures (vLLM's own would be 5..5, which rarely matches in short chat answers)."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(ge=1)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramSpeculation:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
+class DraftSpeculation(_Strict):
+    """Speculative decoding with a draft checkpoint in vLLM: ``draft_model`` (a small LLM with the target's
+    vocabulary), ``eagle`` or ``eagle3`` (a draft head trained on the target's hidden states, Li et al. 2024/2025).
+    ``model``: the draft's hub id or directory, made for this exact target LLM. ``num_speculative_tokens``: tokens
+    proposed per step. Keys as vLLM 0.32's ``--speculative-config``."""
+
+    method: Literal["draft_model", "eagle", "eagle3"]
+    model: str = Field(min_length=1)
+    num_speculative_tokens: int = Field(ge=1)
+
+
+Speculation = Annotated[NgramSpeculation | DraftSpeculation, Field(discriminator="method")]
+
+
 class VLLMOptions(_Strict):
     """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/vllm_server.py``).
 
@@ -103,8 +140,9 @@ class VLLMOptions(_Strict):
     ``gpu_memory_utilization``: fraction of each GPU vLLM may take (None: vLLM's default).
     ``cpu_kvcache_space_gib``: KV cache size on CPU in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
     ``cpu_threads``: OpenMP threads of the CPU engine (``OMP_NUM_THREADS``; None: vLLM's default).
-    ``startup_timeout_s``: seconds to the first healthy ``/health``. ``extra_args``: further ``api_server``
-    flags, verbatim (e.g. speculative decoding).
+    ``startup_timeout_s``: seconds to the first healthy ``/health``. ``speculative``: speculative decoding
+    (None: off; :class:`NgramSpeculation` or :class:`DraftSpeculation`, passed as ``--speculative-config``).
+    ``extra_args``: further ``api_server`` flags, verbatim.
     """
 
     python: str = ".venv-vllm/bin/python"
@@ -116,6 +154,7 @@ class VLLMOptions(_Strict):
     cpu_kvcache_space_gib: int | None = Field(None, ge=1)
     cpu_threads: int | None = Field(None, ge=1)
     startup_timeout_s: float = Field(600.0, gt=0)
+    speculative: Speculation | None = None
     extra_args: list[str] = []
 
 

@@ -28,7 +28,8 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
     ``--generation-config vllm`` so the checkpoint's sampling defaults never override a request (we send every
     sampling field); ``--enable-prompt-embeds`` for prompts with images; structured outputs emit compact JSON
     (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
-    newlines until ``max_tokens``, and an answer cut there does not parse."""
+    newlines until ``max_tokens``, and an answer cut there does not parse. ``vllm.speculative`` becomes
+    ``--speculative-config`` (its fields as JSON)."""
     o = config.vllm
     python = o.python if Path(o.python).is_absolute() else str(REPO_ROOT / o.python)
     args = ["--model", llm_path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or config.dtype,
@@ -42,6 +43,8 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
         args.append("--enforce-eager")
     if o.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
+    if o.speculative is not None:
+        args += ["--speculative-config", o.speculative.model_dump_json()]
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
     if o.cpu_kvcache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kvcache_space_gib)

@@ -3,6 +3,8 @@ sizes (built on the meta device: nothing is downloaded or allocated)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from accelerate import init_empty_weights
 from transformers import Kimi_K25VisionModel
@@ -53,3 +55,31 @@ def test_vllm_tensor_parallel_must_match_the_deployment_gpus():
     data["vlm"]["engine"]["backend"] = "tgi"
     with pytest.raises(ProfileError, match="vlm.engine.backend"):
         parse_profile(data)
+
+
+def test_speculative_decoding_is_a_typed_profile_option_passed_as_speculative_config():
+    from services.profiles import ProfileError, parse_profile
+    from services.vllm_server import server_spec
+
+    data = load_profile("gpu").model_dump(mode="json")
+    v = data["vlm"]["engine"]["vllm"]
+    assert v["speculative"]["method"] == "ngram"  # the gpu profile's choice (no EAGLE head for GLM-4-9B-0414)
+    args = server_spec(parse_profile(data).vlm.engine, "llm").args
+    assert json.loads(args[args.index("--speculative-config") + 1]) == v["speculative"]
+    v["speculative"] = {"method": "eagle3", "model": "org/draft", "num_speculative_tokens": 3}
+    args = server_spec(parse_profile(data).vlm.engine, "llm").args
+    assert json.loads(args[args.index("--speculative-config") + 1]) == v["speculative"]
+    v["speculative"] = None
+    assert "--speculative-config" not in server_spec(parse_profile(data).vlm.engine, "llm").args
+    assert load_profile("cpu").vlm.engine.vllm.speculative is None  # off by default on the cpu profile
+    bad = {"vlm.engine.vllm.speculative.ngram.num_speculative_tokens": {"method": "ngram", "num_speculative_tokens": 0},
+           "vlm.engine.vllm.speculative.ngram.prompt_lookup_typo": {"method": "ngram", "num_speculative_tokens": 2,
+                                                                    "prompt_lookup_typo": 3},
+           "vlm.engine.vllm.speculative.ngram: Value error, prompt_lookup_min .5. must be <= prompt_lookup_max .2.":
+               {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+           "vlm.engine.vllm.speculative.eagle.model": {"method": "eagle", "num_speculative_tokens": 2},
+           "vlm.engine.vllm.speculative: Input tag 'medusa'": {"method": "medusa", "num_speculative_tokens": 2}}
+    for key, spec in bad.items():
+        v["speculative"] = spec
+        with pytest.raises(ProfileError, match=key):
+            parse_profile(data)

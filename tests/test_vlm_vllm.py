@@ -384,3 +384,42 @@ def test_closing_the_stream_aborts_the_request_in_vllm(deployments, vlm_profile)
     assert whole["type"] == "end" and whole["completion_tokens"] >= 20, whole
     assert seen[0]["type"] == "start" and during == 1 and running == 0
     assert 2 <= tokens < whole["completion_tokens"], (tokens, whole)
+
+
+def test_ngram_speculative_decoding_gives_the_same_greedy_tokens(deployments, vlm_profile, model_dir):
+    """``vlm.engine.vllm.speculative`` (n-gram, k=4) reaches vLLM, proposes and has drafts accepted, and the greedy
+    answers equal the plain vllm deployment's token for token: verification keeps exactly the target's argmax
+    tokens, so speculative decoding is lossless under greedy sampling. Logprobs are not compared: the verify pass
+    scores several positions in one forward, so its sums are ordered differently (rounding only)."""
+    import re
+
+    section = vlm_profile.vlm.model_dump(mode="json")
+    section["engine"]["vllm"]["speculative"] = {"method": "ngram", "num_speculative_tokens": 4,
+                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = Deployment(section, str(model_dir))
+    try:
+        assert "--speculative-config" in spec.server.spec.args
+        assert spec.engine.wait_ready(600), spec.server.log_tail()
+        passage = ("The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the warm sun. "
+                   "The warm sun shines on the quiet river.")
+        prompts = {"copy": [{"role": "user", "content": f"Repeat this text exactly, twice:\n{passage}"}],
+                   "capital": [{"role": "user", "content": "What is the capital of France?"}],
+                   "colours": [{"role": "user", "content": "List three colours."}]}
+
+        async def go(clients):
+            return {(name, stream): [await answer(clients[b], msgs, stream) for b in ("spec", "vllm")]
+                    for name, msgs in prompts.items() for stream in (False, True)}
+
+        results = run({"spec": spec, "vllm": deployments["vllm"]}, vlm_profile, go)
+        text = httpx.get(f"{spec.server.base_url}/metrics", timeout=10).text
+
+        def metric(name: str) -> float:
+            return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+    finally:
+        spec.engine.close()
+    for (name, stream), (got, ref) in results.items():
+        assert ref["usage"][1] >= 8, (name, ref)
+        assert [t[0] for t in got["tokens"]] == [t[0] for t in ref["tokens"]], (name, stream)
+        assert (got["text"], got["finish"], got["usage"]) == (ref["text"], ref["finish"], ref["usage"]), name
+    assert metric("vllm:spec_decode_num_draft_tokens_total") > 0
+    assert metric("vllm:spec_decode_num_accepted_tokens_total") > 0
