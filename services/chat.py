@@ -61,6 +61,7 @@ class Deployment:
 
             llm_client = start_vllm_for(cfg.engine, model_dir)
             self.server = llm_client.server
+        self.llm_client = llm_client
         try:
             self.engine = VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
                                                 llm_client=llm_client)
@@ -84,12 +85,19 @@ class Deployment:
 
     async def stats(self) -> dict:
         """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
-        start; vllm: ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""
+        start; vllm: ``active`` requests vLLM holds (running + waiting, from its ``/metrics``; None while the
+        engine is down), ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""
         if self.batcher is not None:
             return {"backend": "transformers", "active": self.batcher.active,
                     "max_batch_seen": self.batcher.max_batch_seen}
+        from grafting.llm_client import EngineUnavailableError
+
         server = self.server
-        return {"backend": "vllm", "engine_state": server.state, "engine_pid": server.server_pid,
+        try:
+            active = await self.llm_client.requests_in_engine()
+        except EngineUnavailableError:
+            active = None
+        return {"backend": "vllm", "active": active, "engine_state": server.state, "engine_pid": server.server_pid,
                 "engine_restarts": server.restarts}
 
     def __del__(self):

@@ -125,6 +125,23 @@ class VLLMClient:
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
 
+    async def requests_in_engine(self) -> int:
+        """Requests vLLM holds now (running + waiting), read from its Prometheus ``/metrics``
+        (``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, summed over label sets). Raises
+        EngineUnavailableError when the server does not answer."""
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                text = (await client.get(f"{self.base_url}/metrics")).text
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
+                from None
+        total = 0.0
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 within 2 s."""
         try:
