@@ -34,16 +34,60 @@ def _load(profile: str):
 
 
 @app.command()
-def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path")):
-    """Build the profile's small cpu models into its model directory (does nothing the second time)."""
+def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
+            dry_run: bool = typer.Option(False, "--dry-run", help="print each file to fetch and its bytes; "
+                                                                  "fetch and build nothing"),
+            mirror: str = typer.Option(None, help="take the hub repos from this local copy (<dir>/<org>/<name>) "
+                                                  "instead of the Hugging Face Hub")):
+    """Build the profile's small cpu models into its model directory, and fetch the checkpoints it names by hub
+    id into ``<model_dir>/<org>/<name>`` (only the files the engines read; for the tower only the shards holding
+    ``vision_tower.*``). Does nothing the second time. Exit 2: profile error, ``HF_HUB_OFFLINE`` with checkpoints
+    to fetch, or a repo that cannot be listed; exit 1: a local checkpoint directory is missing."""
+    from .weights import DirSource, FetchError, HubSource, fetch, plan
+
     prof = _load(profile)
     model_dir = prof.resolved_model_dir()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    for fam, section in prof.families().items():
-        t0 = time.perf_counter()
-        wrote = importlib.import_module(BUILDERS[fam]).prepare(section.engine, model_dir)
-        state = f"built in {time.perf_counter() - t0:.1f} s" if wrote else "up to date"
-        typer.echo(f"{fam:6s} {section.model_id:16s} {state}  ({model_dir})")
+    source = DirSource(mirror) if mirror else HubSource()
+    try:
+        items = plan(prof, source, model_dir)
+    except (FetchError, KeyError, OSError) as err:
+        typer.echo(f"cannot fetch: {err}", err=True)
+        raise typer.Exit(2) from None
+    missing = [i for i in items if i.state == "missing"]
+    total = 0
+    for i in items:
+        c = i.checkpoint
+        line = f"{c.where:14s} {c.ref} -> {i.dest}"
+        if i.state == "fetch":
+            n = sum(i.files.values())
+            total += n
+            typer.echo(f"{line}  {'would fetch' if dry_run else 'fetching'} {len(i.files)} files, {n} bytes "
+                       f"(from the {source.name})")
+            if dry_run:
+                for f, size in i.files.items():
+                    typer.echo(f"  {size:>14d}  {f}")
+        else:
+            typer.echo(f"{line}  {dict(local='local directory', present='up to date', missing='MISSING')[i.state]}")
+    if dry_run:
+        typer.echo(f"total to fetch: {total} bytes")
+    else:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fetch(items, source)
+        except (FetchError, OSError) as err:
+            typer.echo(f"cannot fetch: {err}", err=True)
+            raise typer.Exit(2) from None
+        for fam, section in prof.families().items():
+            if getattr(section.engine, "build", None) is None:
+                continue
+            t0 = time.perf_counter()
+            wrote = importlib.import_module(BUILDERS[fam]).prepare(section.engine, model_dir)
+            state = f"built in {time.perf_counter() - t0:.1f} s" if wrote else "up to date"
+            typer.echo(f"{fam:6s} {section.model_id:16s} {state}  ({model_dir})")
+    if missing:
+        typer.echo("missing local checkpoint directories (not on the hub; e.g. a projector trained with "
+                   "`chimera graft train`): " + ", ".join(f"{i.checkpoint.where}={i.dest}" for i in missing), err=True)
+        raise typer.Exit(1)
 
 
 class _Stop(BaseException):
