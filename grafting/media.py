@@ -66,7 +66,9 @@ def load_image_url(url: str, max_bytes: int, max_pixels: int, allowed_hosts: lis
     """Turn an ``image_url.url`` into an RGB image.
 
     ``data:`` URLs must be base64. ``http(s)://`` URLs are fetched only if their host is in ``allowed_hosts``.
-    Raises ImageInputError (400 malformed or refused, 413 over ``max_bytes``/``max_pixels``, 415 not an image).
+    Raises ImageInputError (400 malformed or refused, 413 over ``max_bytes``/``max_pixels``, 415 not an image;
+    a fetch that fails, whether refused, timed out, unresolvable or answered other than 200, is 400
+    ``image_fetch_failed``).
     """
     if not isinstance(url, str) or not url:
         raise ImageInputError("image_url.url must be a non-empty string", 400, "invalid_image_url", param)
@@ -93,17 +95,24 @@ def load_image_url(url: str, max_bytes: int, max_pixels: int, allowed_hosts: lis
                                   "remote_image_not_allowed", param)
         import httpx
 
-        with httpx.stream("GET", url, timeout=timeout_s, follow_redirects=False) as resp:
-            if resp.status_code != 200:
-                raise ImageInputError(f"fetching the image failed with HTTP {resp.status_code}", 400,
-                                      "image_fetch_failed", param)
-            chunks, total = [], 0
-            for chunk in resp.iter_bytes():
-                total += len(chunk)
-                if total > max_bytes:
-                    raise ImageInputError(f"image is larger than the limit of {max_bytes} bytes", 413,
-                                          "image_too_large", param)
-                chunks.append(chunk)
+        try:
+            with httpx.stream("GET", url, timeout=timeout_s, follow_redirects=False) as resp:
+                if resp.status_code != 200:
+                    raise ImageInputError(f"fetching the image failed with HTTP {resp.status_code}", 400,
+                                          "image_fetch_failed", param)
+                chunks, total = [], 0
+                for chunk in resp.iter_bytes():
+                    total += len(chunk)
+                    if total > max_bytes:
+                        raise ImageInputError(f"image is larger than the limit of {max_bytes} bytes", 413,
+                                              "image_too_large", param)
+                    chunks.append(chunk)
+        except httpx.TimeoutException:
+            raise ImageInputError(f"fetching the image timed out after {timeout_s:g} s", 400, "image_fetch_failed",
+                                  param) from None
+        except httpx.HTTPError as err:  # refused, DNS failure, TLS error, broken connection
+            raise ImageInputError(f"fetching the image failed: {type(err).__name__}", 400, "image_fetch_failed",
+                                  param) from None
         return decode_image_bytes(b"".join(chunks), max_pixels, param)
     raise ImageInputError("image_url.url must be a base64 data URL (data:image/...;base64,...)", 400,
                           "invalid_image_url", param)

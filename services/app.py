@@ -35,16 +35,28 @@ def family_module(family: str):
     return importlib.import_module(FAMILY_MODULES[family])
 
 
+def key_id(key: str) -> str:
+    """The id a job owner is stored under: the first 16 hex digits of SHA-256 of the API key (never the key)."""
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 class AuthMiddleware:
-    """Bearer-token auth on ``/v1/*`` (HTTP and WebSocket; browsers' websockets may pass ``?api_key=``).
+    """Bearer-token auth on ``/v1/*`` (and ``/metrics`` with ``protect_metrics``), HTTP and WebSocket (browsers'
+    websockets may pass ``?api_key=``, which is never logged).
 
-    The key is compared in constant time; health and metrics stay open."""
+    Every configured key is compared in constant time (``hmac.compare_digest``; all of them, whichever
+    matches). An accepted request carries the key's :func:`key_id` in ``scope["state"]["key_id"]`` (the routes'
+    ``request.state.key_id``: the owner of the video jobs it creates); with no keys configured it is None
+    and everything is open. Health and readiness stay open."""
 
-    def __init__(self, app, keys: list[str]):
+    def __init__(self, app, keys: list[str], protect_metrics: bool = False):
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        self.keys = [(k.encode(), key_id(k)) for k in keys]
+        self.protect_metrics = protect_metrics
 
-    def _ok(self, scope) -> bool:
+    def _match(self, scope) -> str | None:
         headers = dict(scope.get("headers", []))
         auth = headers.get(b"authorization", b"")
         token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
@@ -52,18 +64,28 @@ class AuthMiddleware:
             from urllib.parse import parse_qs
 
             token = (parse_qs(scope.get("query_string", b"").decode()).get("api_key") or [""])[0].encode()
-        return bool(token) and any(hmac.compare_digest(token, k) for k in self.keys)
+        found = None
+        for k, kid in self.keys:
+            if hmac.compare_digest(token, k) and token:
+                found = kid
+        return found
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] in ("http", "websocket") and self.keys and scope["path"].startswith("/v1/") \
-                and not self._ok(scope):
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
-                return
-            resp = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer <key>)",
-                                           "authentication_error", None, "invalid_api_key"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-            return await resp(scope, receive, send)
+        if scope["type"] in ("http", "websocket") and self.keys:
+            kid = self._match(scope)
+            if kid is None and self._guarded(scope["path"]):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
+                    return
+                resp = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer <key>)",
+                                               "authentication_error", None, "invalid_api_key"), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+            scope = dict(scope)
+            scope["state"] = {**scope.get("state", {}), "key_id": kid}
         return await self.app(scope, receive, send)
 
 
@@ -156,8 +178,9 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
         app.include_router(family_module(fam).make_router(section, backends[fam], profile))
 
     app.add_middleware(MetricsMiddleware)
-    app.add_middleware(AuthMiddleware, keys=profile.server.api_keys)
-    app.add_middleware(EdgeMiddleware)
+    app.add_middleware(AuthMiddleware, keys=profile.server.all_api_keys(),
+                       protect_metrics=profile.server.metrics_requires_key)
+    app.add_middleware(EdgeMiddleware, limits=profile.server.limits.body_limits())
     return app
 
 

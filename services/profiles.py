@@ -59,14 +59,57 @@ class FamilySection(Strict, Generic[E]):
     engine: E
 
 
+class EdgeLimits(Strict):
+    """Size and time limits enforced at the edge (``services/edge.py``, in Ray's proxy: before any replica).
+
+    Body limits in bytes per route (``Content-Length``, or counted while a chunked body arrives; over it: 413
+    ``request_too_large``); ``default_body_bytes`` covers every other request. Websocket
+    (``/v1/audio/speech/stream``) limits: ``ws_max_message_bytes`` per client frame (over it: close 1009),
+    ``ws_max_pending_commits`` committed utterances waiting for audio (over it: error ``too_many_commits``,
+    the commit is dropped, the socket stays open), ``ws_idle_timeout_s`` without a client frame while no audio
+    is being made (then: close 1001)."""
+
+    chat_body_bytes: int = Field(20 << 20, gt=0)
+    speech_body_bytes: int = Field(1 << 20, gt=0)
+    video_body_bytes: int = Field(24 << 20, gt=0)
+    extension_body_bytes: int = Field(272 << 20, gt=0)
+    default_body_bytes: int = Field(1 << 20, gt=0)
+    ws_max_message_bytes: int = Field(64 << 10, gt=0)
+    ws_max_pending_commits: int = Field(8, ge=1)
+    ws_idle_timeout_s: float = Field(300.0, gt=0)
+
+    def body_limits(self) -> dict:
+        """The body limits as :class:`services.edge.EdgeMiddleware` takes them: ``{"routes", "default"}``."""
+        return {"routes": {"/v1/chat/completions": self.chat_body_bytes, "/v1/audio/speech": self.speech_body_bytes,
+                           "/v1/videos": self.video_body_bytes, "/v1/videos/extensions": self.extension_body_bytes},
+                "default": self.default_body_bytes}
+
+
+#: Environment variable with more API keys (comma-separated), added to the profile's ``server.api_keys``.
+API_KEYS_ENV = "CHIMERA_API_KEYS"
+
+
 class ServerOptions(Strict):
-    """HTTP front door: bind address, API keys (empty = no auth), timeouts."""
+    """HTTP front door: bind address, API keys (empty = no auth), edge limits, timeouts.
+
+    ``api_keys``: accepted bearer keys; :meth:`all_api_keys` adds those of ``CHIMERA_API_KEYS``. With none,
+    the API is open. ``metrics_requires_key``: ``/metrics`` needs a key too (only when keys are configured)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_keys: list[str] = []
+    metrics_requires_key: bool = False
+    limits: EdgeLimits = EdgeLimits()
     request_timeout_s: float = Field(600.0, gt=0)
     ingress: DeploymentOptions = DeploymentOptions(num_cpus=0.25, max_ongoing_requests=256, max_queued_requests=-1)
+
+    def all_api_keys(self) -> list[str]:
+        """The profile's keys plus those of ``CHIMERA_API_KEYS`` (comma-separated, blanks dropped), deduplicated
+        in order. Raises ProfileError for a blank key in the profile."""
+        keys = list(self.api_keys) + [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        if any(not k.strip() for k in self.api_keys):
+            raise ProfileError("server.api_keys: a key must not be blank")
+        return list(dict.fromkeys(keys))
 
 
 class RayOptions(Strict):

@@ -65,7 +65,12 @@ def init_ray(profile: Profile, **overrides: Any) -> None:
     """Start (or join) Ray with the edge middleware installed in Serve's HTTP proxy."""
     import ray
 
+    import json
+
+    from .edge import LIMITS_ENV
+
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
+    os.environ[LIMITS_ENV] = json.dumps(profile.server.limits.body_limits())  # the proxy's edge limits
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
@@ -77,7 +82,8 @@ def init_ray(profile: Profile, **overrides: Any) -> None:
         if profile.ray.num_gpus is not None:
             kwargs["num_gpus"] = profile.ray.num_gpus
     kwargs.update(overrides)
-    kwargs.setdefault("runtime_env", {"env_vars": {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}})
+    kwargs.setdefault("runtime_env", {"env_vars": {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
+                                                   LIMITS_ENV: os.environ[LIMITS_ENV]}})
     ray.init(**kwargs)
 
 

@@ -283,6 +283,12 @@ class _Session:
     Every client event and ``session`` field is checked: another field is ``unsupported_parameter``, text that is
     not valid Unicode ``invalid_unicode`` (nothing of the event is applied). Recoverable errors are
     sent as ``error`` events and the socket stays open. A disconnect cancels everything at once.
+
+    Limits (profile ``server.limits``, :class:`services.profiles.EdgeLimits`): a client frame over
+    ``ws_max_message_bytes`` closes the socket with code 1009; a commit while ``ws_max_pending_commits``
+    committed utterances still wait for their ``response.audio.done`` is an error ``too_many_commits`` (that
+    commit is not applied: the text stays in the buffer); no client frame for ``ws_idle_timeout_s`` while no
+    audio is queued or being made closes it with code 1001.
     """
 
     def __init__(self, ws: WebSocket, section: FamilySection, backend: Backend, profile: Profile):
@@ -301,6 +307,8 @@ class _Session:
         self.generation = 0  # bumped by cancel: queued work of older generations is dropped
         self.current: asyncio.Task | None = None
         self.speaking: str | None = None  # response id being synthesized
+        self.limits = profile.server.limits
+        self.pending_commits = 0  # commits whose response.audio.done is not sent yet
 
     async def send(self, obj: dict) -> None:
         async with self.send_lock:
@@ -315,9 +323,17 @@ class _Session:
         speaker = asyncio.create_task(self.speaker())
         try:
             while True:
-                msg = await self.ws.receive()
+                try:
+                    msg = await asyncio.wait_for(self.ws.receive(), self.limits.ws_idle_timeout_s)
+                except asyncio.TimeoutError:
+                    if self.speaking is not None or not self.queue.empty():
+                        continue  # audio is still being made: not idle
+                    return await self.ws.close(1001, "idle timeout")
                 if msg["type"] == "websocket.disconnect":
                     return
+                size = len(msg.get("bytes") or b"") + len((msg.get("text") or "").encode("utf-8", "surrogatepass"))
+                if size > self.limits.ws_max_message_bytes:
+                    return await self.ws.close(1009, f"message over {self.limits.ws_max_message_bytes} bytes")
                 if msg.get("bytes") is not None:
                     await self.error("binary frames are not supported; send JSON text frames", "binary_not_supported")
                     continue
@@ -399,7 +415,12 @@ class _Session:
 
     async def commit(self) -> None:
         """End the utterance: one ``response.audio.done``; an ``empty_input`` error instead (and no done) when
-        nothing in it is left to speak once unsupported tags are stripped."""
+        nothing in it is left to speak once unsupported tags are stripped; ``too_many_commits`` (buffer kept)
+        when ``ws_max_pending_commits`` utterances still wait for audio."""
+        if self.pending_commits >= self.limits.ws_max_pending_commits:
+            raise SpeechInputError(f"{self.pending_commits} committed utterances are still waiting for audio (the "
+                                   f"limit is {self.limits.ws_max_pending_commits}); commit again after a "
+                                   "response.audio.done", None, "too_many_commits")
         rest = self.buffer.finish()
         if not (self.speakable or any(speakable(self.cfg, x) for x in rest)):
             if self.response_id is not None:  # tag-only sentences already queued: drop their response
@@ -408,6 +429,7 @@ class _Session:
             raise SpeechInputError("nothing to speak: append text first (unsupported tags are not read aloud)",
                                    "text", "empty_input")
         self._dispatch(rest)
+        self.pending_commits += 1
         self.queue.put_nowait(("done", self.generation, self._response()))
         self.response_id, self.chars, self.speakable = None, 0, False
 
@@ -425,6 +447,8 @@ class _Session:
         failed: set[str] = set()  # responses that had an error event: their done says "failed"
         while True:
             item = await self.queue.get()
+            if item[0] == "done":
+                self.pending_commits -= 1
             if item[1] != self.generation:
                 usage.pop(item[2], None)
                 continue  # a cancelled utterance
