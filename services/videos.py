@@ -105,10 +105,13 @@ class Deployment:
         png = None
         if image is not None:
             lim = self.cfg.limits
-            img = load_image(image, lim.max_image_bytes, lim.max_image_pixels)
-            buf = io.BytesIO()
-            img.save(buf, format="PNG")
-            png = buf.getvalue()
+
+            def to_png() -> bytes:  # decode + encode: in a worker thread, off the replica's event loop
+                buf = io.BytesIO()
+                load_image(image, lim.max_image_bytes, lim.max_image_pixels).save(buf, format="PNG")
+                return buf.getvalue()
+
+            png = await asyncio.to_thread(to_png)
         return await self._call("create", req.to_dict(), image_png=png, idempotency_key=idempotency_key,
                                 seconds_label=seconds_label(req.total_frames, req.fps))
 
@@ -121,7 +124,7 @@ class Deployment:
         (:data:`_EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
         ``seconds`` is the whole joined video's duration (source frames + added frames) / fps."""
         from video.drift import color_stats
-        from video.media import MediaError, decode_video
+        from video.media import MediaError, decode_video, probe_video
         from video.request import RequestError, plan_request, seconds_label
 
         for name in fields:
@@ -142,21 +145,27 @@ class Deployment:
         if video is None:
             raise RequestError("video is required: {\"id\": <completed video id>} or a video file", "video",
                                "missing_required_parameter")
-        if len(video) > self.cfg.limits.max_video_bytes:
-            raise MediaError(f"video is {len(video)} bytes, the limit is {self.cfg.limits.max_video_bytes}", 413,
-                             "video")
-        import numpy as np
-        import torch
+        lim = self.cfg.limits
+        if len(video) > lim.max_video_bytes:
+            raise MediaError(f"video is {len(video)} bytes, the limit is {lim.max_video_bytes}", 413, "video")
+        max_frames = lim.max_clips * lim.max_frames_per_clip
 
-        frames, fps = decode_video(video, max_frames=self.cfg.limits.max_clips * self.cfg.limits.max_frames_per_clip)
-        h, w = frames.shape[1:3]
-        req = plan_request(self.cfg, {"fps": max(1, round(fps)) if fps else None, **fields, "width": w, "height": h},
-                           continuation=True)
-        floats = torch.from_numpy(frames[: req.frames_per_clip]).permute(0, 3, 1, 2).float() / 255
-        last = torch.from_numpy(frames[-1]).permute(2, 0, 1).float().numpy() / 255
-        upload = {"video": video, "last_frame": np.asarray(last, dtype=np.float32),
-                  "reference": color_stats(floats).to_dict()}
-        total = len(frames) + req.total_frames
+        def prepare():  # header probe (before any decode), then decode: in a worker thread, off the event loop
+            import numpy as np
+            import torch
+
+            probe_video(video, max_frames, lim.max_width, lim.max_height, lim.max_pixels)
+            frames, fps = decode_video(video, max_frames=max_frames)
+            h, w = frames.shape[1:3]
+            req = plan_request(self.cfg, {"fps": max(1, round(fps)) if fps else None, **fields, "width": w,
+                                          "height": h}, continuation=True)
+            floats = torch.from_numpy(frames[: req.frames_per_clip]).permute(0, 3, 1, 2).float() / 255
+            last = torch.from_numpy(frames[-1]).permute(2, 0, 1).float().numpy() / 255
+            return req, len(frames), {"video": video, "last_frame": np.asarray(last, dtype=np.float32),
+                                      "reference": color_stats(floats).to_dict()}
+
+        req, n_frames, upload = await asyncio.to_thread(prepare)
+        total = n_frames + req.total_frames
         return await self._call("create", req.to_dict(), upload=upload, idempotency_key=idempotency_key,
                                 seconds_label=seconds_label(total, req.fps))
 
@@ -203,9 +212,28 @@ class _NotUtf8(Exception):
         self.field = field
 
 
+class _FileTooLarge(Exception):
+    """A file part of a form body passed its cap while it streamed in (``field``: its name)."""
+
+    def __init__(self, field: str, cap: int):
+        super().__init__(field)
+        self.field, self.cap = field, cap
+
+
 class _Utf8MultiPartParser(MultiPartParser):
     """Starlette's multipart parser, except that a text field whose bytes are not UTF-8 raises :class:`_NotUtf8`
-    (Starlette decodes such a field as latin-1 and passes the mojibake on)."""
+    (Starlette decodes such a field as latin-1 and passes the mojibake on), and that a file part is counted as it
+    streams in: past ``max_file_size`` bytes it raises :class:`_FileTooLarge` at once (nothing more is spooled)."""
+
+    max_file_size = 0  # set per request by _read_body
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part = self._current_part
+        if part.file is not None:
+            part.file.size = (part.file.size or 0) + (end - start)
+            if part.file.size > self.max_file_size:
+                raise _FileTooLarge(part.field_name, self.max_file_size)
+        super().on_part_data(data, start, end)
 
     def on_part_end(self) -> None:
         part = self._current_part
@@ -245,7 +273,8 @@ def _check_unicode(fields: dict) -> None:
 
 
 async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
-    """JSON or multipart/urlencoded body -> (fields, files). Files are read up to ``max_bytes`` (413 beyond).
+    """JSON or multipart/urlencoded body -> (fields, files). Each file streams in counted: past ``max_bytes``
+    it is APIError 413 ``too_large`` at once (the edge middleware already bounds the whole body).
     Text that is not valid Unicode is APIError 400 ``invalid_unicode``."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "application/x-www-form-urlencoded":
@@ -260,10 +289,16 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
             raise APIError(400, "form body is not UTF-8 text (raw or %-encoded)", code="invalid_unicode") from None
         return dict(pairs), {}
     if ctype == "multipart/form-data":
+        parser = _Utf8MultiPartParser(request.headers, request.stream(), max_part_size=max_bytes, max_files=8,
+                                      max_fields=64)
+        parser.max_file_size = max_bytes
         try:
-            form = await _Utf8MultiPartParser(request.headers, request.stream(), max_part_size=max_bytes).parse()
+            form = await parser.parse()
         except _NotUtf8 as err:
             raise _unicode_error(err.field) from None
+        except _FileTooLarge as err:
+            raise APIError(413, f"{err.field}: upload over {err.cap} bytes", param=err.field,
+                           code="too_large") from None
         except Exception as exc:  # noqa: BLE001 - malformed multipart
             raise APIError(400, f"could not parse the form body: {getattr(exc, 'message', exc)}",
                            code="invalid_body") from None
@@ -271,10 +306,7 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
-                    data = await value.read(max_bytes + 1)
-                    if len(data) > max_bytes:
-                        raise APIError(413, f"{key}: upload over {max_bytes} bytes", param=key, code="too_large")
-                    files[key] = data
+                    files[key] = await value.read()
                 else:
                     fields[key] = value
         finally:

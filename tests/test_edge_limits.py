@@ -267,3 +267,107 @@ def test_remote_image_fetch_errors_are_400_image_fetch_failed():
             assert info.value.param == "messages[0].content[0].image_url"
     finally:
         silent.close()
+
+
+class _NoVideo:
+    """A stand-in video deployment: a refused upload must never reach it."""
+
+    calls = 0
+
+    async def ready(self):
+        return True
+
+    async def queue_length(self):
+        return 0
+
+    async def create(self, *args, **kwargs):
+        _NoVideo.calls += 1
+        raise AssertionError("a refused upload reached the deployment")
+
+
+def test_multipart_file_is_capped_while_it_streams(profile):
+    """An ``input_reference`` file over ``video.limits.max_image_bytes`` (set to 100,000 here; the edge body
+    limit is raised to 1 GiB so only the file cap acts) is 413 ``too_large`` naming the field, and the parser
+    stops reading the body as soon as the file passes the cap: of the 64 KiB chunks of a 6.4 MB body, at most
+    cap / 64 KiB + 3 (the form headers and the chunk that crosses the cap, rounded up) are pulled."""
+    from services.app import build_app
+    from services.backends import LocalBackend
+    from services.profiles import parse_profile
+
+    data = profile.model_dump(mode="json")
+    data["vlm"] = data["tts"] = None
+    data["video"]["engine"]["limits"]["max_image_bytes"] = 100_000
+    data["server"]["limits"]["video_body_bytes"] = 1 << 30
+    app = build_app(parse_profile(data), {"video": LocalBackend(_NoVideo())})
+    boundary, chunk, n_chunks = "b0undary", 64 * 1024, 100
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\na cat\r\n--{boundary}\r\n"
+            "Content-Disposition: form-data; name=\"input_reference\"; filename=\"a.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    pulled = [0]
+
+    async def body():
+        pulled[0] += 1
+        yield head
+        for _ in range(n_chunks):
+            pulled[0] += 1
+            yield b"\0" * chunk
+        yield tail
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            size = len(head) + chunk * n_chunks + len(tail)
+            r = await c.post("/v1/videos", content=body(), headers={
+                "content-type": f"multipart/form-data; boundary={boundary}", "content-length": str(size)})
+            return r
+
+    r = asyncio.run(go())
+    err = r.json()["error"]
+    assert r.status_code == 413 and err["code"] == "too_large" and err["param"] == "input_reference"
+    assert "100000 bytes" in err["message"]
+    assert pulled[0] <= 100_000 // chunk + 3, pulled[0]
+    assert _NoVideo.calls == 0
+
+
+def _mp4(tmp_path, frames: int, w: int, h: int) -> bytes:
+    import numpy as np
+
+    from video.media import encode_mp4
+
+    path = tmp_path / "v.mp4"
+    encode_mp4(np.zeros((frames, h, w, 3), dtype=np.uint8), 8, path)
+    return path.read_bytes()
+
+
+def test_extension_upload_is_probed_from_its_header_before_any_decode(tmp_path, profile):
+    """``probe_video`` reads frames and size from the container header: a 9-frame 32x16 MP4 reads as exactly
+    that; against a 8-frame limit it is 413 ``too_many_frames``, against a 16-pixel width 413
+    ``video_too_large``; bytes that are no container are 415. Through the video deployment's ``extend`` (a
+    stand-in manager that must not be called), an upload over the profile's frame limit comes back as the
+    probe's ``too_many_frames`` error event, not decode_video's later ``too_large``."""
+    from video.media import MediaError, probe_video
+
+    data = _mp4(tmp_path, 9, 32, 16)
+    assert probe_video(data, 9, 64, 64, 4096) == {"frames": 9, "width": 32, "height": 16, "fps": 8.0}
+    with pytest.raises(MediaError) as info:
+        probe_video(data, 8, 64, 64, 4096)
+    assert (info.value.status_code, info.value.code, info.value.param) == (413, "too_many_frames", "video")
+    with pytest.raises(MediaError) as info:
+        probe_video(data, 9, 16, 64, 4096)
+    assert (info.value.status_code, info.value.code) == (413, "video_too_large")
+    with pytest.raises(MediaError) as info:
+        probe_video(b"not a video at all" * 10, 9, 64, 64, 4096)
+    assert info.value.status_code == 415
+
+    from services.profiles import FamilySection
+    from services.videos import Deployment
+    from video.config import VideoConfig
+
+    section = profile.video.model_dump(mode="json")
+    section["engine"]["limits"].update(max_clips=1, max_frames_per_clip=5)
+    dep = object.__new__(Deployment)
+    dep.section = FamilySection[VideoConfig].model_validate(section)
+    dep.cfg = dep.section.engine
+    dep.manager = None  # any manager call would fail with AttributeError, not an error event
+    ev = asyncio.run(dep.extend({"prompt": "more", "seconds": "1"}, video=data))
+    assert ev["type"] == "error" and (ev["status"], ev["code"], ev["param"]) == (413, "too_many_frames", "video")

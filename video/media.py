@@ -85,6 +85,37 @@ def encode_mp4(frames: torch.Tensor | np.ndarray, fps: int, path: str | Path, cr
     tmp.replace(path)
 
 
+def probe_video(data: bytes, max_frames: int, max_width: int, max_height: int, max_pixels: int) -> dict:
+    """Read a video's container header (PyAV; no frame is decoded) and check it against limits first.
+
+    Returns ``{"frames": int, "width": int, "height": int, "fps": float}``; ``frames`` is the header's count, or
+    duration x rate when the container has none (rounded up). Raises MediaError: 415 ``unsupported_media_type``
+    when it is not a video container with a video stream; 413 ``too_many_frames`` over ``max_frames``;
+    413 ``video_too_large`` when width, height or width*height (pixels) is over its limit."""
+    import math
+
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+            fps = float(stream.average_rate or stream.guessed_rate or 0) or 0.0
+            frames = int(stream.frames or 0)
+            if not frames:
+                duration = (float(stream.duration * stream.time_base) if stream.duration and stream.time_base
+                            else (container.duration or 0) / 1e6)
+                frames = math.ceil(duration * fps)
+    except (av.error.FFmpegError, IndexError, ValueError) as err:
+        raise MediaError(f"video: not a readable video container ({type(err).__name__})", 415, "video") from None
+    if frames > max_frames:
+        raise MediaError(f"video has {frames} frames; the limit is {max_frames}", 413, "video", "too_many_frames")
+    if width > max_width or height > max_height or width * height > max_pixels:
+        raise MediaError(f"video is {width}x{height}; the limits are {max_width}x{max_height} and {max_pixels} "
+                         "pixels", 413, "video", "video_too_large")
+    return {"frames": frames, "width": width, "height": height, "fps": fps}
+
+
 def decode_video(src: str | Path | bytes, max_frames: int | None = None) -> tuple[np.ndarray, float]:
     """Decode every frame of a video file (path or bytes): uint8 ``(T, H, W, 3)`` and the frame rate (Hz).
 
