@@ -324,8 +324,9 @@ class _Session:
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(self.ws.receive(), self.limits.ws_idle_timeout_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.limits.ws_idle_timeout_s):  # no extra task, unlike wait_for
+                        msg = await self.ws.receive()
+                except TimeoutError:
                     if self.speaking is not None or not self.queue.empty():
                         continue  # audio is still being made: not idle
                     return await self.ws.close(1001, "idle timeout")
