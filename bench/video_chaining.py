@@ -65,8 +65,8 @@ def main() -> None:
 
     def darker(fn):
         def wrapped(k, cond, seed):
-            frames = fn(k, cond, seed)
-            return photo[None].repeat(F, 1, 1, 1) if k == 0 else (cond[None] * 0.95).expand_as(frames).clone()
+            out = fn(k, cond, seed)  # a Clip
+            return photo[None].repeat(F, 1, 1, 1) if k == 0 else (cond.frame[None] * 0.95).expand_as(out.frames).clone()
         return wrapped
 
     for req, name in ((four, "corrected"), (four_off, "uncorrected")):

@@ -201,7 +201,7 @@ class Deployment:
 
 #: The fields of an extension request that reach the deployment (``video`` and ``model`` are taken by the router).
 _EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
-                  "drift_correction", "sparsity")
+                  "drift_correction", "sparsity", "quality", "cache")
 
 
 class _NotUtf8(Exception):

@@ -255,7 +255,7 @@ def _b64_png(img) -> str:
      413, "too_large"),
     ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400, "invalid_value"),
     # fields the service does not implement are named, never ignored (JSON, multipart, extensions)
-    ("post", "/v1/videos", {"json": {"prompt": "x", "quality": "high"}}, 400, "unsupported_parameter"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "quality": "high"}}, 400, "invalid_value"),
     ("post", "/v1/videos", {"data": {"prompt": "x", "remix_video_id": "v"}, "files": {"n": (None, "1")}}, 400,
      "unsupported_parameter"),
     ("post", "/v1/videos/extensions", {"json": {"prompt": "x", "seconds": "4", "video": {"id": "v"}, "size": "64x64"}},

@@ -134,7 +134,7 @@ def test_too_few_frames_is_not_called_a_bad_form(cfg, n):
 
 def test_unknown_fields_are_refused_by_name(cfg):
     """No field is accepted and silently ignored: the first one not implemented is named."""
-    for name in ("response_format", "quality", "remix_video_id", "num_videos"):
+    for name in ("response_format", "style", "remix_video_id", "num_videos"):
         with pytest.raises(RequestError) as e:
             plan_request(cfg, {"prompt": "a", "seconds": "4", name: "x"})
         assert (e.value.param, e.value.code) == (name, "unsupported_parameter"), name
@@ -259,7 +259,7 @@ def test_chain_seams_and_seeds():
     seen = []
 
     def clip_fn(k, cond, seed):
-        seen.append((k, None if cond is None else float(cond.mean()), seed))
+        seen.append((k, None if cond is None else float(cond.frame.mean()), seed))
         frames = torch.full((9, 3, 8, 8), 0.1 * (k + 1))
         frames[-1] = 0.05 * (k + 1)  # last frame marks the seam
         return frames
@@ -292,10 +292,10 @@ def test_chain_cut_to_total_frames():
 def _darker(fn):
     """The model, wrapped so that each clip comes out 5% darker than its conditioning frame."""
     def wrapped(k, cond, seed):
-        frames = fn(k, cond, seed)
+        out = fn(k, cond, seed)  # a Clip
         if cond is None:
-            return frames
-        return (cond[None] * 0.95).expand_as(frames).clone()
+            return out
+        return (cond.frame[None] * 0.95).expand_as(out.frames).clone()
     return wrapped
 
 

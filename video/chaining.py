@@ -7,6 +7,13 @@ fp32 (the engine's job), and every clip after the first is colour-matched to the
 seam: N clips of F frames join into ``1 + N (F - 1)`` frames with no repeated frame. ``total_frames`` cuts the
 joined frames to a requested length (the last clip may be longer than what is left: see
 :mod:`video.request` for the duration rule).
+
+Latent chaining (``latent=True``): a clip may return its latents (:class:`Clip`); the next clip then gets the
+last latent frame in its :class:`Handover` and conditions on it directly, with no VAE decode -> encode round trip
+of the conditioning frame (the round trip is what makes chained clips creep in colour and contrast; SkyReels-V2
+and InfiniteTalk pass latents or motion frames for the same reason). The seam rule is unchanged: the next clip's
+first frame is the decode of the handed-over latent frame and is dropped. Drift correction stays the safety net
+on the decoded frames (the first clip remains the colour reference); it cannot feed back into a latent handover.
 """
 
 from __future__ import annotations
@@ -18,8 +25,29 @@ import torch
 
 from .drift import ColorStats, color_stats, match_color
 
-# clip_fn(index, conditioning frame (3, H, W) float32 in [0, 1] or None, seed) -> frames (F, 3, H, W) float32
-ClipFn = Callable[[int, "torch.Tensor | None", int], torch.Tensor]
+
+
+@dataclass
+class Handover:
+    """What clip k+1 is conditioned on: ``frame`` float32 ``(3, H, W)`` in [0, 1] (clip k's last frame, after
+    drift correction; or the input image) and, with latent chaining, ``latents``: clip k's last latent frame
+    ``(1, C, 1, h, w)`` in the pipeline's normalised latent space (None: condition on ``frame``)."""
+
+    frame: torch.Tensor
+    latents: torch.Tensor | None = None
+
+
+@dataclass
+class Clip:
+    """A generated clip: ``frames`` float32 ``(F, 3, H, W)`` in [0, 1] and its ``latents`` ``(1, C, f, h, w)``
+    (normalised; None when the clip function does not provide them)."""
+
+    frames: torch.Tensor
+    latents: torch.Tensor | None = None
+
+
+# clip_fn(index, Handover or None (text-to-video clip 0), seed) -> Clip, or frames (F, 3, H, W) float32
+ClipFn = Callable[[int, "Handover | None", int], "Clip | torch.Tensor"]
 
 
 class NonFiniteOutputError(RuntimeError):
@@ -54,22 +82,26 @@ def check_finite(frames: torch.Tensor, what: str) -> None:
 
 def chain_clips(clip_fn: ClipFn, num_clips: int, seeds: list[int], first_image: torch.Tensor | None = None,
                 drift_correction: bool = True, reference: ColorStats | None = None, continuation: bool = False,
-                on_clip_done: Callable[[int], None] | None = None, total_frames: int | None = None) -> ChainResult:
+                on_clip_done: Callable[[int], None] | None = None, total_frames: int | None = None,
+                latent: bool = False) -> ChainResult:
     """Generate ``num_clips`` clips with ``clip_fn`` and join them.
 
     ``first_image``: conditioning frame of clip 0 (None: text-to-video). ``reference``: colour statistics to
     match (extensions pass the original video's); by default the first clip's. ``continuation``: the video
     continues an existing one ending in ``first_image``, so clip 0's first frame is dropped too.
     ``total_frames``: keep only the first ``total_frames`` joined frames (the end of the last clip is cut;
-    ``kept_per_clip`` counts what stays); None keeps all. Raises NonFiniteOutputError on NaN/Inf output,
+    ``kept_per_clip`` counts what stays); None keeps all. ``latent``: hand clip k's last latent frame to clip
+    k+1 (when clip k returned latents; module doc). Raises NonFiniteOutputError on NaN/Inf output,
     ValueError when fewer than ``num_clips`` seeds are given or the clips join into fewer than ``total_frames``.
     """
     if len(seeds) < num_clips:
         raise ValueError(f"need {num_clips} seeds, got {len(seeds)}")
     parts, kept = [], []
-    cond = first_image
+    cond = None if first_image is None else Handover(first_image)
     for k in range(num_clips):
-        clip = clip_fn(k, cond, seeds[k]).to(torch.float32)
+        out = clip_fn(k, cond, seeds[k])
+        out = out if isinstance(out, Clip) else Clip(out)
+        clip = out.frames.to(torch.float32)
         check_finite(clip, f"clip {k + 1} of {num_clips}")
         if reference is None:
             reference = color_stats(clip)
@@ -78,7 +110,8 @@ def chain_clips(clip_fn: ClipFn, num_clips: int, seeds: list[int], first_image: 
         part = clip[1:] if (k > 0 or continuation) else clip
         parts.append(part)
         kept.append(part.shape[0])
-        cond = clip[-1].clone()
+        cond = Handover(clip[-1].clone(),
+                        out.latents[:, :, -1:].clone() if latent and out.latents is not None else None)
         if on_clip_done is not None:
             on_clip_done(k)
     frames = torch.cat(parts)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -137,6 +137,61 @@ class SparseAttentionConfig(_Strict):
         return math.prod(self.tile)
 
 
+class MagCacheOptions(_Strict):
+    """MagCache (Ma et al. 2025, arXiv:2506.09045; diffusers ``MagCacheConfig``): skip the transformer blocks of a
+    step (reuse the last residual) while the accumulated magnitude-ratio error stays under ``threshold``.
+    ``mag_ratios``: per-step ratios ``mean_tokens |r_t| / |r_t-1|`` of the residual (last block out - first block
+    in) of the conditional pass, calibrated per checkpoint (:func:`video.cache.calibrate_mag_ratios`); diffusers
+    interpolates them to the request's step count. None: not calibrated, requests for ``mag`` are refused."""
+
+    threshold: float = Field(0.06, gt=0)
+    max_skip_steps: int = Field(3, ge=1)
+    retention_ratio: float = Field(0.2, ge=0, le=1)
+    mag_ratios: list[float] | None = None
+
+
+class FirstBlockCacheOptions(_Strict):
+    """First Block Cache (ParaAttention; diffusers ``FirstBlockCacheConfig``): run block 0, skip the others and
+    reuse their residual when block 0's residual changed by less than ``threshold`` (relative mean abs)."""
+
+    threshold: float = Field(0.05, gt=0)
+
+
+class TaylorSeerOptions(_Strict):
+    """TaylorSeer (Liu et al. 2025, arXiv:2503.06923; diffusers ``TaylorSeerCacheConfig``): full compute for the
+    first ``disable_cache_before_step`` steps and every ``cache_interval``-th step after; the steps between
+    predict each block's output by a Taylor expansion of order ``max_order`` (factors kept in float32)."""
+
+    cache_interval: int = Field(2, ge=1)
+    disable_cache_before_step: int = Field(2, ge=0)
+    max_order: int = Field(1, ge=1, le=4)
+
+
+class StepCacheConfig(_Strict):
+    """Options of the step caches a request selects with ``cache`` (:mod:`video.cache`)."""
+
+    mag: MagCacheOptions = MagCacheOptions()
+    first_block: FirstBlockCacheOptions = FirstBlockCacheOptions()
+    taylorseer: TaylorSeerOptions = TaylorSeerOptions()
+
+
+class FastProfile(_Strict):
+    """The ``quality: "fast"`` profile: a step-distillation LoRA fused once at engine load into a second copy of
+    the transformer (the full-quality copy stays unchanged, so nothing is ever unfused), with its own scheduler,
+    step count and guidance. ``lora``: a directory/file (relative to the model dir) or a hub repo id;
+    ``weight_name``: the file inside a repo/directory; ``lora_scale``: multiplies the LoRA delta when fusing.
+    ``scheduler``: ``euler`` (``FlowMatchEulerDiscreteScheduler``) or ``unipc`` (as the full path), both with
+    ``flow_shift``. A request may still set ``num_inference_steps`` / ``guidance_scale``; these are its defaults."""
+
+    lora: str
+    weight_name: str | None = None
+    lora_scale: float = 1.0
+    scheduler: Literal["euler", "unipc"] = "euler"
+    flow_shift: float = Field(5.0, gt=0)
+    num_inference_steps: int = Field(4, ge=1)
+    guidance_scale: float = Field(1.0, ge=0)
+
+
 class VideoConfig(_Strict):
     """Engine config of the Wan-style video family.
 
@@ -145,6 +200,9 @@ class VideoConfig(_Strict):
     ``flow_shift``: the flow-matching schedule shift of the UniPC scheduler (Wan: 3.0 at 480p, 5.0 at 720p).
     ``dtype``: transformer/text-encoder dtype; the VAE always runs in ``vae_dtype`` (fp32: encodes of chained
     frames in bf16 amplify drift). ``max_sequence_length``: text tokens (Wan: 512).
+    ``cache``: step-cache options (a request picks one with ``cache``); ``fast``: the step-distilled profile
+    (``quality: "fast"``; None: not offered). ``chaining``: ``latent`` conditions clip k+1 on clip k's last latent
+    frame (no VAE decode/encode round trip; ``ti2v`` only), ``pixel`` on its last decoded frame (re-encoded).
     """
 
     model: str = "video/wan"
@@ -157,10 +215,22 @@ class VideoConfig(_Strict):
     max_sequence_length: int = Field(512, ge=1)
     torch_threads: int | None = Field(None, ge=1)
     sparse_attention: SparseAttentionConfig = SparseAttentionConfig()
+    cache: StepCacheConfig = StepCacheConfig()
+    fast: FastProfile | None = None
+    chaining: Literal["latent", "pixel"] = "pixel"
     defaults: VideoDefaults = VideoDefaults()
     limits: VideoLimits = VideoLimits()
     jobs: JobOptions = JobOptions()
     build: VideoBuild | None = None
+
+    @model_validator(mode="after")
+    def _latent_needs_ti2v(self):
+        if self.chaining == "latent" and self.variant != "ti2v":
+            raise ValueError("chaining 'latent' needs variant 'ti2v' (Wan2.1's image-to-video conditions on an "
+                             "encoded pixel clip and a CLIP image embedding); use chaining 'pixel'")
+        if self.fast is not None and self.i2v_model:
+            raise ValueError("a fast profile's LoRA fits the text-to-video transformer only: leave out i2v_model")
+        return self
 
     def resolve(self, model_dir: str | Path, p: str) -> str:
         """A relative directory under ``model_dir`` as an absolute path; absolute paths and hub ids unchanged."""

@@ -6,6 +6,10 @@
 - The prompt is encoded once per job (UMT5) and passed to every clip as ``prompt_embeds``.
 - The VAE is loaded and run in ``vae_dtype`` (fp32 by default) whatever the transformer's dtype.
 - Progress comes from ``callback_on_step_end``, which also stops a job early on NaN/Inf latents.
+- Each clip is denoised to latents (``output_type="latent"``) and decoded here exactly as the pipeline would,
+  so the clip's latents can be handed to the next clip (latent chaining, :mod:`video.chaining`; ``cfg.chaining``).
+- Per request: ``quality`` (``fast``: the LoRA-fused copy of the transformer, :mod:`video.lora`), ``cache`` (a
+  diffusers step cache for each clip, :mod:`video.cache`) and ``sparsity`` (:mod:`video.sparse_attention`).
 One instance is used by the service's job workers, tests, notebooks and benchmarks alike.
 """
 
@@ -18,8 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from diffusers import WanImageToVideoPipeline
+from diffusers.utils.torch_utils import randn_tensor
 
-from .chaining import ChainResult, ClipFn, NonFiniteOutputError, chain_clips, clip_seeds
+from .cache import step_cache
+from .chaining import ChainResult, Clip, ClipFn, Handover, NonFiniteOutputError, chain_clips, clip_seeds
 from .config import VideoConfig
 from .drift import ColorStats
 from .request import VideoRequest
@@ -53,6 +60,37 @@ class JobCancelled(RuntimeError):
     """Raised inside the denoising loop when the caller's ``should_stop()`` turns true."""
 
 
+class LatentConditionedI2V(WanImageToVideoPipeline):
+    """diffusers' ``WanImageToVideoPipeline`` that, while ``condition_latents`` is set, conditions on those
+    latents instead of VAE-encoding ``image`` (``image`` is then only checked and resized, never encoded).
+
+    ``condition_latents``: ``(1, C, 1, h, w)`` normalised latents (a previous clip's last latent frame). Only the
+    ``expand_timesteps`` (Wan2.2-TI2V) layout conditions on one clean latent frame; others raise ValueError.
+    Otherwise identical to the parent (``prepare_latents`` signature and returns as in diffusers 0.42)."""
+
+    condition_latents: torch.Tensor | None = None
+
+    def prepare_latents(self, image, batch_size, num_channels_latents=16, height=480, width=832, num_frames=81,
+                        dtype=None, device=None, generator=None, latents=None, last_image=None):
+        cond = self.condition_latents
+        if cond is None:
+            return super().prepare_latents(image, batch_size, num_channels_latents, height, width, num_frames,
+                                           dtype, device, generator, latents, last_image)
+        if not self.config.expand_timesteps:
+            raise ValueError("latent conditioning needs the expand_timesteps (TI2V) layout")
+        f = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        h, w = height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial
+        if tuple(cond.shape[1:]) != (num_channels_latents, 1, h, w):
+            raise ValueError(f"condition latents {tuple(cond.shape)} do not fit a {num_frames}x{height}x{width} clip")
+        if latents is None:
+            latents = randn_tensor((batch_size, num_channels_latents, f, h, w), generator=generator, device=device,
+                                   dtype=dtype)
+        mask = torch.ones(1, 1, f, h, w, dtype=dtype, device=device)
+        mask[:, :, 0] = 0
+        return latents.to(device=device, dtype=dtype), cond.to(device=device, dtype=dtype).repeat(
+            batch_size, 1, 1, 1, 1), mask
+
+
 class VideoEngine:
     """Wan text/image-to-video with clip chaining and drift correction.
 
@@ -62,8 +100,7 @@ class VideoEngine:
     """
 
     def __init__(self, cfg: VideoConfig, model_dir: str | Path, device: str | None = None):
-        from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
-                               WanPipeline)
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 
         self.cfg = cfg
         if cfg.torch_threads:
@@ -79,15 +116,23 @@ class VideoEngine:
         self.t2v.set_progress_bar_config(disable=True)
         self.i2v = None
         if cfg.variant == "ti2v":
-            self.i2v = WanImageToVideoPipeline.from_pipe(self.t2v)
+            self.i2v = LatentConditionedI2V.from_pipe(self.t2v)
         elif cfg.i2v_model:
-            self.i2v = WanImageToVideoPipeline.from_pretrained(
+            self.i2v = LatentConditionedI2V.from_pretrained(
                 cfg.resolve(model_dir, cfg.i2v_model), vae=self.t2v.vae, text_encoder=self.t2v.text_encoder,
                 tokenizer=self.t2v.tokenizer, dtype=dtype).to(self.device)
             self.i2v.scheduler = UniPCMultistepScheduler.from_config(self.i2v.scheduler.config,
                                                                      flow_shift=cfg.flow_shift)
         if self.i2v is not None:
             self.i2v.set_progress_bar_config(disable=True)
+        self.fast_t2v = self.fast_i2v = None
+        if cfg.fast is not None:  # loaded and fused once, here; requests only pick the pipeline
+            from .lora import fused_fast_pipeline
+
+            self.fast_t2v = fused_fast_pipeline(self.t2v, cfg.fast, cfg.resolve(model_dir, cfg.fast.lora))
+            if cfg.variant == "ti2v":
+                self.fast_i2v = LatentConditionedI2V.from_pipe(self.fast_t2v)
+                self.fast_i2v.set_progress_bar_config(disable=True)
         self.size_multiple = self.t2v.vae_scale_factor_spatial * self.t2v.transformer.config.patch_size[1]
 
     @torch.no_grad()
@@ -99,33 +144,64 @@ class VideoEngine:
                                         max_sequence_length=self.cfg.max_sequence_length, device=self.device)
         return pe, ne
 
+    def pipelines(self, quality: str = "full"):
+        """``(text-to-video, image-to-video or None)`` pipelines of ``quality`` (``full`` | ``fast``).
+        Raises ValueError when ``fast`` is asked of an engine without a fast profile."""
+        if quality == "fast":
+            if self.fast_t2v is None:
+                raise ValueError("this engine has no fast (step-distilled) profile")
+            return self.fast_t2v, self.fast_i2v
+        return self.t2v, self.i2v
+
+    def transformers(self, quality: str = "full") -> list[torch.nn.Module]:
+        """The distinct transformers the pipelines of ``quality`` run."""
+        t2v, i2v = self.pipelines(quality)
+        out = [t2v.transformer]
+        if i2v is not None and i2v.transformer is not t2v.transformer:
+            out.append(i2v.transformer)
+        return out
+
     @contextlib.contextmanager
-    def attention(self, sparsity: float, num_inference_steps: int):
+    def attention(self, sparsity: float, num_inference_steps: int, quality: str = "full"):
         """Block-sparse self-attention (:mod:`video.sparse_attention`) keeping ``sparsity`` of the key blocks
-        for one clip (its dense warm-up counts that clip's steps); 1.0: dense, nothing installed.
-        Raises ValueError on an out-of-range option."""
+        for one clip (its dense warm-up counts that clip's steps) on the transformers of ``quality``; 1.0: dense,
+        nothing installed. Raises ValueError on an out-of-range option."""
         if sparsity >= 1.0:
             yield
             return
         from .sparse_attention import sparse_attention
 
-        transformers = [self.t2v.transformer]
-        if self.i2v is not None and self.i2v.transformer is not self.t2v.transformer:
-            transformers.append(self.i2v.transformer)
-        with sparse_attention(transformers, sparsity=sparsity, num_inference_steps=num_inference_steps,
-                              config=self.cfg.sparse_attention):
+        with sparse_attention(self.transformers(quality), sparsity=sparsity,
+                              num_inference_steps=num_inference_steps, config=self.cfg.sparse_attention):
             yield
 
     @torch.no_grad()
-    def generate_clip(self, req: VideoRequest, image: torch.Tensor | None, seed: int, embeds,
-                      on_step: Callable[[int], None] | None = None, num_frames: int | None = None) -> torch.Tensor:
-        """One clip of ``num_frames`` (default ``req.frames_per_clip``; 4k+1) frames: float32 ``(F, 3, H, W)``
-        in [0, 1].
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``(1, C, f, h, w)`` -> frames float32 ``(4(f-1)+1, 3, H, W)`` in [0, 1] on the CPU,
+        exactly as diffusers' Wan pipelines decode (de-normalise with the VAE's latents_mean/std, decode in the
+        VAE's dtype, ``postprocess_video``)."""
+        vae = self.t2v.vae
+        x = latents.to(device=next(vae.parameters()).device, dtype=vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        video = vae.decode(x / (1.0 / std) + mean, return_dict=False)[0]
+        return self.t2v.video_processor.postprocess_video(video, output_type="pt")[0].to(torch.float32).cpu()
 
-        ``image``: conditioning frame float ``(3, H, W)`` in [0, 1] (image-to-video) or None (text-to-video).
+    @torch.no_grad()
+    def generate_clip(self, req: VideoRequest, cond: Handover | torch.Tensor | None, seed: int, embeds,
+                      on_step: Callable[[int], None] | None = None, num_frames: int | None = None) -> Clip:
+        """One clip of ``num_frames`` (default ``req.frames_per_clip``; 4k+1) frames: a Clip of frames float32
+        ``(F, 3, H, W)`` in [0, 1] and latents ``(1, C, (F-1)/4+1, h, w)`` (normalised, the pipeline's dtype).
+
+        ``cond``: None (text-to-video), a conditioning frame float ``(3, H, W)`` in [0, 1] (image-to-video; VAE
+        encoded), or a Handover (its ``latents``, when set, condition the clip directly: no encode).
         ``embeds``: from :meth:`encode_prompt`. ``on_step(i)`` runs after denoising step ``i`` (0-based).
+        The request's ``quality``, ``cache`` and ``sparsity`` pick the pipeline, step cache and attention.
         Raises NonFiniteOutputError on NaN/Inf latents, ValueError when image input is not supported."""
         pe, ne = embeds
+        image = cond.frame if isinstance(cond, Handover) else cond
+        cond_latents = cond.latents if isinstance(cond, Handover) else None
+        t2v, i2v = self.pipelines(req.quality)
 
         def callback(pipe, i, t, kw):
             if not torch.isfinite(kw["latents"]).all():
@@ -136,17 +212,23 @@ class VideoEngine:
 
         common = dict(prompt_embeds=pe, negative_prompt_embeds=ne, height=req.height, width=req.width,
                       num_frames=num_frames or req.frames_per_clip, num_inference_steps=req.num_inference_steps,
-                      guidance_scale=req.guidance_scale, output_type="pt",
+                      guidance_scale=req.guidance_scale, output_type="latent",
                       generator=torch.Generator(device="cpu").manual_seed(seed),
                       callback_on_step_end=callback)
-        if image is not None and self.i2v is None:
+        if image is not None and i2v is None:
             raise ValueError("this model has no image-to-video pipeline")
-        with self.attention(req.sparsity, req.num_inference_steps):
+        steps = req.num_inference_steps
+        with self.attention(req.sparsity, steps, req.quality), \
+                step_cache(self.transformers(req.quality), req.cache, self.cfg.cache, steps):
             if image is None:
-                out = self.t2v(**common)
+                latents = t2v(**common).frames
             else:
-                out = self.i2v(image=image.to(torch.float32).clamp(0, 1), **common)
-        return out.frames[0].to(torch.float32).cpu()
+                i2v.condition_latents = cond_latents
+                try:
+                    latents = i2v(image=image.to(torch.float32).clamp(0, 1), **common).frames
+                finally:
+                    i2v.condition_latents = None
+        return Clip(self.decode(latents), latents)
 
     def generate(self, req: VideoRequest, image: torch.Tensor | None = None, reference: ColorStats | None = None,
                  continuation: bool | None = None, on_progress: Callable[[Progress], None] | None = None,
@@ -156,8 +238,9 @@ class VideoEngine:
         drift-corrected and cut to ``req.total_frames`` frames (the duration rule of :mod:`video.request`).
 
         ``image``: float ``(3, H, W)`` in [0, 1] for image-to-video or continuing a video (``continuation``,
-        default ``req.continuation``: its frame is not repeated). ``reference``: drift reference of a video
-        being extended.
+        default ``req.continuation``: its frame is not repeated). Clips after the first are conditioned on the
+        previous clip's last latent frame when ``cfg.chaining`` is ``latent``, else on its last decoded frame.
+        ``reference``: drift reference of a video being extended.
         ``on_progress``: called per denoising step and per decode. ``should_stop``: polled every step
         (raises JobCancelled). ``wrap``: wraps the per-clip function (tests and notebooks make the model
         misbehave on purpose with it). Returns a ChainResult (frames float32 ``(T, 3, H, W)``).
@@ -179,7 +262,7 @@ class VideoEngine:
             base = state["clip"] * (steps + 1)
             report("decoding" if i + 1 == steps else "denoising", base + i + 1)
 
-        def clip_fn(k: int, cond: torch.Tensor | None, s: int) -> torch.Tensor:
+        def clip_fn(k: int, cond: Handover | None, s: int) -> Clip:
             state["clip"] = k
             report("denoising", k * (steps + 1))
             return self.generate_clip(req, cond, s, embeds, on_step, num_frames=req.clip_frames(k))
@@ -192,4 +275,4 @@ class VideoEngine:
         continuation = req.continuation if continuation is None else continuation
         return chain_clips(fn, req.num_clips, seeds, first_image=image, drift_correction=req.drift_correction,
                            reference=reference, continuation=continuation, on_clip_done=on_clip_done,
-                           total_frames=req.target_frames)
+                           total_frames=req.target_frames, latent=self.cfg.chaining == "latent")

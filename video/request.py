@@ -2,9 +2,9 @@
 
 Field names are OpenAI's Videos API (``prompt``, ``model``, ``seconds``, ``size="WxH"``) plus vLLM-Omni's
 (``width``, ``height``, ``num_frames``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``,
-``seed``, ``fps``) and ours (``sparsity``, ``drift_correction``). Values may arrive as strings (multipart forms).
-Any other field is refused (RequestError, code ``unsupported_parameter``, ``param`` naming it): nothing is
-accepted and silently ignored.
+``seed``, ``fps``) and ours (``sparsity``, ``drift_correction``, ``quality``, ``cache``). Values may arrive as
+strings (multipart forms). Any other field is refused (RequestError, code ``unsupported_parameter``, ``param``
+naming it): nothing is accepted and silently ignored.
 
 Duration (the rule): an MP4 of ``n`` frames at ``fps`` lasts ``n / fps`` seconds, and that is what the Video
 object's ``seconds`` reports. ``seconds`` asks for ``T = max(1, floor(seconds * fps + 1/2))`` frames (for an
@@ -40,7 +40,8 @@ class RequestError(ValueError):
     """A request field is invalid; ``param`` names it, ``code`` is a stable machine-readable reason (the HTTP
     layer answers 400 with both). Codes: ``invalid_value`` (default), ``invalid_size``, ``invalid_frame_count``,
     ``invalid_duration``, ``prompt_too_long``, ``unsupported_input``, ``unsupported_parameter`` (a field this
-    service does not implement), ``invalid_unicode`` (text with a lone UTF-16 surrogate), and
+    service does not implement), ``unsupported_value`` (a known value this profile does not offer),
+    ``invalid_unicode`` (text with a lone UTF-16 surrogate), and
     ``missing_required_parameter``."""
 
     status_code = 400
@@ -73,11 +74,25 @@ class VideoParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     sparsity: float | None = None
     drift_correction: bool = True
+    quality: str | None = None
+    cache: str | None = None
 
     @field_validator("seconds", mode="before")
     @classmethod
     def _seconds(cls, v):
         return None if v in ("", None) else v
+
+    @field_validator("quality", "cache", mode="before")
+    @classmethod
+    def _none_word(cls, v):  # multipart forms cannot send JSON null: "" / "none" / "null" mean it
+        return None if isinstance(v, str) and v.strip().lower() in ("", "none", "null") else v
+
+
+#: ``quality`` values: ``full`` (the profile's model, scheduler, steps and guidance) and ``fast`` (the
+#: step-distilled profile ``cfg.fast``: its LoRA-fused transformer, scheduler, steps and guidance).
+QUALITIES = ("full", "fast")
+#: ``cache`` values (diffusers' step-cache hooks, :mod:`video.cache`); null: no cache.
+CACHES = ("mag", "first_block", "taylorseer")
 
 
 @dataclass
@@ -106,6 +121,8 @@ class VideoRequest:
     target_frames: int | None = None
     last_clip_frames: int | None = None
     continuation: bool = False
+    quality: str = "full"
+    cache: str | None = None
 
     def clip_frames(self, k: int) -> int:
         """Frames generated for clip ``k`` (0-based): ``frames_per_clip``, the last clip ``last_clip_frames``."""
@@ -188,7 +205,10 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
     (``unsupported_parameter``), text with a lone surrogate (``invalid_unicode``), unknown ``size`` strings,
     ``size`` and ``width``/``height`` that disagree, sizes not multiples of ``cfg.size_multiple`` or over the
     limits, ``seconds`` <= 0 or over ``max_seconds``, ``num_frames`` under 5 or not 4k+1 or over the limit, too
-    many clips, prompt too long, ``sparsity`` outside (0, 1], image input on a model without image-to-video.
+    many clips, prompt too long, ``sparsity`` outside (0, 1], image input on a model without image-to-video,
+    ``quality`` not in :data:`QUALITIES` or ``cache`` not in :data:`CACHES` (``invalid_value``), ``quality
+    "fast"`` on a profile without a fast profile or ``cache "mag"`` without calibrated ratios
+    (``unsupported_value``). ``quality "fast"`` takes its step count and guidance from ``cfg.fast`` unless given.
     """
     for name in fields:
         if name not in VideoParams.model_fields:
@@ -261,6 +281,20 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
     if clips > lim.max_clips:
         raise RequestError(f"{p.seconds:g} s at {fps} fps needs {clips} clips of {frames} frames; the limit is "
                            f"{lim.max_clips} clips", "seconds", "invalid_duration")
+    quality = p.quality or "full"
+    if quality not in QUALITIES:
+        raise RequestError(f"quality {quality!r} is not one of {', '.join(QUALITIES)}", "quality")
+    if quality == "fast" and cfg.fast is None:
+        raise RequestError("quality 'fast' is not offered by this model (no step-distilled profile configured)",
+                           "quality", "unsupported_value")
+    if p.cache is not None and p.cache not in CACHES:
+        raise RequestError(f"cache {p.cache!r} is not one of {', '.join(CACHES)} (or null: no cache)", "cache")
+    if p.cache == "mag" and cfg.cache.mag.mag_ratios is None:
+        raise RequestError("cache 'mag' is not calibrated for this model (no MagCache ratios configured)", "cache",
+                           "unsupported_value")
+    if quality == "fast":
+        d = d.model_copy(update={"num_inference_steps": cfg.fast.num_inference_steps,
+                                 "guidance_scale": cfg.fast.guidance_scale})
     steps = d.num_inference_steps if p.num_inference_steps is None else p.num_inference_steps
     if not 1 <= steps <= lim.max_steps:
         raise RequestError(f"num_inference_steps must be between 1 and {lim.max_steps}", "num_inference_steps")
@@ -281,4 +315,5 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
                         else p.negative_prompt, width=width, height=height, frames_per_clip=frames,
                         num_clips=clips, fps=fps, num_inference_steps=steps, guidance_scale=guidance,
                         seed=p.seed, sparsity=sparsity, drift_correction=p.drift_correction,
-                        seconds=p.seconds, target_frames=target, last_clip_frames=last, continuation=continuation)
+                        seconds=p.seconds, target_frames=target, last_clip_frames=last, continuation=continuation,
+                        quality=quality, cache=p.cache)
