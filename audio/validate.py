@@ -5,6 +5,8 @@ Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming
 
 from __future__ import annotations
 
+from grafting.unicode import find_invalid_unicode
+
 from .config import TTSConfig
 from .text import clean_sentence, has_speech
 
@@ -37,32 +39,6 @@ def check_fields(obj: dict, allowed: tuple[str, ...], where: str = "") -> None:
             param = f"{where}.{name}" if where else str(name)
             hint = _UNSUPPORTED_HINTS.get(name, "supported: " + ", ".join(allowed))
             raise SpeechInputError(f"'{param}' is not supported ({hint})", param, "unsupported_parameter")
-
-
-def find_invalid_unicode(value, path: str = "") -> str | None:
-    """Path (``text``, ``session.voice``) of the first string in ``value`` (a parsed JSON value: keys, values,
-    items at any depth) that cannot be encoded as UTF-8, i.e. holds a lone UTF-16 surrogate (what the JSON
-    escape ``"\\ud800"`` decodes to); None when every string is valid Unicode text."""
-    def bad(s) -> bool:
-        if not isinstance(s, str) or s.isascii():
-            return False
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-
-    if isinstance(value, str):
-        return (path or "value") if bad(value) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
-        if bad(k):
-            return path or "value"
-        found = find_invalid_unicode(v, sub)
-        if found:
-            return found
-    return None
 
 
 def check_unicode(value, param: str) -> None:

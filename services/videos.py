@@ -31,7 +31,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartParser
 
 from . import metrics
-from .app import check_model
+from .app import check_model, reject_invalid_unicode
 from .backends import Backend
 from .chat import input_error_event, raise_if_error_event
 from .errors import APIError, to_api_error, unwrap
@@ -250,28 +250,6 @@ def _unicode_error(field: str) -> APIError:
                     param=field, code="invalid_unicode")
 
 
-def _check_unicode(fields: dict) -> None:
-    """APIError 400 ``invalid_unicode`` naming the first field whose text (keys and nested values included)
-    holds a lone UTF-16 surrogate, as ``"\\ud800"`` escaped in JSON decodes to."""
-
-    def bad(v: Any) -> bool:
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-            return False
-        if isinstance(v, dict):
-            return any(bad(k) or bad(x) for k, x in v.items())
-        if isinstance(v, list):
-            return any(bad(x) for x in v)
-        return False
-
-    for key, value in fields.items():
-        if bad(key) or bad(value):
-            raise _unicode_error(key.encode("utf-8", "backslashreplace").decode() if bad(key) else key)
-
-
 async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
     """JSON or multipart/urlencoded body -> (fields, files). Each file streams in counted: past ``max_bytes``
     it is APIError 413 ``too_large`` at once (the edge middleware already bounds the whole body).
@@ -321,7 +299,7 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
             raise APIError(400, "body is not valid JSON: it is not UTF-8 text", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "body must be a JSON object", code="invalid_json")
-        _check_unicode(body)
+        reject_invalid_unicode(body)
         return body, {}
     raise APIError(415, f"unsupported content type {ctype!r} (use application/json or multipart/form-data)",
                    code="unsupported_media_type")

@@ -371,3 +371,31 @@ def test_extension_upload_is_probed_from_its_header_before_any_decode(tmp_path, 
     dep.manager = None  # any manager call would fail with AttributeError, not an error event
     ev = asyncio.run(dep.extend({"prompt": "more", "seconds": "1"}, video=data))
     assert ev["type"] == "error" and (ev["status"], ev["code"], ev["param"]) == (413, "too_many_frames", "video")
+
+
+def test_one_lone_surrogate_check_per_side():
+    """The model side's ``grafting.unicode.find_invalid_unicode`` names the path of the first bad string (speech
+    and video requests use it); the video router's JSON bodies use the services side's
+    ``reject_invalid_unicode`` (400 ``invalid_unicode`` naming the path)."""
+    from audio.validate import SpeechInputError, check_unicode
+    from grafting.unicode import find_invalid_unicode
+    from services.app import reject_invalid_unicode
+    from services.errors import APIError
+    from video.request import RequestError, plan_request
+
+    bad = "ok \ud800"
+    assert find_invalid_unicode({"a": ["x", {"b": bad}]}) == "a[1].b"
+    assert find_invalid_unicode({bad: 1}, "session") == "session"
+    assert find_invalid_unicode({"a": "é", "b": ["ü"]}) is None
+    with pytest.raises(SpeechInputError) as info:
+        check_unicode({"text": bad}, "")
+    assert (info.value.code, info.value.param) == ("invalid_unicode", "text")
+    from services.profiles import load_profile
+
+    with pytest.raises(RequestError) as info:
+        plan_request(load_profile("cpu").video.engine, {"prompt": bad})
+    assert (info.value.code, info.value.param) == ("invalid_unicode", "prompt")
+    with pytest.raises(APIError) as info:
+        reject_invalid_unicode({"prompt": "x", "input_reference": {"image_url": bad}})
+    assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_unicode",
+                                                                       "input_reference.image_url")

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from grafting.unicode import find_invalid_unicode
+
 from .config import VideoConfig
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
@@ -181,14 +183,6 @@ def plan_frames(seconds: float | None, fps: int, frames_per_clip: int, continuat
     return target, clips, last
 
 
-def _lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
 def _first_error(err: ValidationError) -> RequestError:
     e = err.errors()[0]
     param = ".".join(str(x) for x in e["loc"]) or None
@@ -215,7 +209,7 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
             raise RequestError(f"{name} is not supported by this service (unknown video request field)",
                                str(name), "unsupported_parameter")
     for name in ("prompt", "negative_prompt"):
-        if isinstance(fields.get(name), str) and _lone_surrogate(fields[name]):
+        if isinstance(fields.get(name), str) and find_invalid_unicode(fields[name], name):
             raise RequestError(f"{name} is not valid Unicode text (it holds a lone UTF-16 surrogate)", name,
                                "invalid_unicode")
     try:
