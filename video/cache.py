@@ -42,9 +42,10 @@ def cache_config(kind: str, options: StepCacheConfig, num_inference_steps: int):
         return FirstBlockCacheConfig(threshold=options.first_block.threshold)
     if kind == "taylorseer":
         t = options.taylorseer
+        # whole Wan blocks (diffusers' default patterns "^blocks.*attn" full-match no Wan module name)
         return TaylorSeerCacheConfig(cache_interval=t.cache_interval,
                                      disable_cache_before_step=t.disable_cache_before_step, max_order=t.max_order,
-                                     taylor_factors_dtype=torch.float32)
+                                     taylor_factors_dtype=torch.float32, cache_identifiers=[r"blocks\.\d+"])
     raise ValueError(f"unknown step cache {kind!r}")
 
 
