@@ -90,6 +90,39 @@ def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name
         raise typer.Exit(1)
 
 
+profile_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect profiles.")
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.command("show")
+def profile_show(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
+                 gpu_memory_gib: float = typer.Option(None, help="memory of each GPU (default: the profile's "
+                                                                 "ray.gpu_memory_gib, else the local CUDA devices)"),
+                 gpus: int = typer.Option(None, help="number of GPUs (default: the profile's ray.num_gpus)")):
+    """Print the memory plan: per deployment (and video job) the GPUs it lands on, weights, KV cache and
+    activations at the profile's limits; per GPU the total. Exit 1 when it does not fit, 2 on a profile error."""
+    from .memory_plan import GIB, PlanError, format_plan, local_gpu_bytes, plan, uses_gpus
+
+    prof = _load(profile)
+    if not uses_gpus(prof):
+        typer.echo(f"profile {prof.name}: no deployment asks for a GPU (nothing to plan)")
+        return
+    size = int(gpu_memory_gib * GIB) if gpu_memory_gib else (
+        int(prof.ray.gpu_memory_gib * GIB) if prof.ray.gpu_memory_gib else local_gpu_bytes())
+    if size is None:
+        typer.echo("GPU memory unknown: pass --gpu-memory-gib or set ray.gpu_memory_gib (no CUDA device here)",
+                   err=True)
+        raise typer.Exit(2)
+    try:
+        p = plan(prof, size, gpus)
+    except PlanError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+    typer.echo(format_plan(p, prof.name))
+    if not p.fits:
+        raise typer.Exit(1)
+
+
 class _Stop(BaseException):
     """Raised in the main thread by the first SIGTERM or SIGINT of ``chimera serve``: unwinds to its shutdown."""
 
@@ -105,13 +138,29 @@ def _raise_stop(signum: int, _frame) -> None:
 @app.command()
 def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
           host: str = typer.Option(None, help="bind address (default: the profile's)"),
-          port: int = typer.Option(None, help="port (default: the profile's)")):
+          port: int = typer.Option(None, help="port (default: the profile's)"),
+          address: str = typer.Option(None, help="join a running Ray cluster (ray://<head>:10001, or auto for the "
+                                                 "cluster of this node) instead of starting one")):
     """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM; either stops it in a few
-    seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0."""
-    from .serve_app import init_ray, run, stop
+    seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0.
+
+    First the memory plan is checked (``services.memory_plan.check``): a profile that does not fit its GPUs is
+    refused with the numbers (exit 2). With ``--address`` the application is deployed on that cluster and, on
+    stop, only it is deleted (the cluster and its other applications keep running)."""
+    from .memory_plan import PlanError, check, uses_gpus
+    from .serve_app import APP_NAME, init_ray, run, stop
 
     logging.basicConfig(level=logging.INFO)
     prof = _load(profile)
+    if address:
+        prof = prof.model_copy(update={"ray": prof.ray.model_copy(update={"address": address})})
+    try:
+        if check(prof) is None and uses_gpus(prof):
+            logging.getLogger("chimera").warning("memory plan not checked: GPU memory unknown (set "
+                                                 "ray.gpu_memory_gib in the profile, or run where CUDA is visible)")
+    except PlanError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
     # Ray's processes (GCS, raylet and, through the raylet, every worker and replica) inherit the signal mask of
     # the thread that starts them, and Ray itself blocks SIGINT in them (which is why Ctrl-C to the whole group
     # leaves them to this process's shutdown). A SIGTERM to the whole group (`timeout`, container runtimes, systemd's
@@ -141,7 +190,21 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     except _Stop:
         typer.echo("shutting down")
     finally:
-        stop()
+        if address:
+            _leave_cluster(APP_NAME)
+        else:
+            stop()
+
+
+def _leave_cluster(app_name: str) -> None:
+    """Delete this application from the joined cluster (its replicas drain first) and disconnect; Serve and the
+    cluster keep running."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.delete(app_name)
+        ray.shutdown()
 
 
 if __name__ == "__main__":

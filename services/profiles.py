@@ -113,11 +113,16 @@ class ServerOptions(Strict):
 
 
 class RayOptions(Strict):
-    """Options for ``ray.init`` when ``chimera serve`` starts a local cluster (ignored when joining one)."""
+    """Options for ``ray.init`` when ``chimera serve`` starts a local cluster (ignored when joining one).
+
+    ``gpu_memory_gib``: memory of each GPU, for the memory plan checked at start (``services/memory_plan.py``,
+    ``chimera profile show``); None: read from the visible CUDA devices, unchecked where there are none.
+    """
 
     address: str | None = None
     num_cpus: float | None = None
     num_gpus: float | None = None
+    gpu_memory_gib: float | None = Field(None, gt=0)
 
 
 class Profile(Strict):

@@ -4,6 +4,7 @@ sizes (built on the meta device: nothing is downloaded or allocated)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from accelerate import init_empty_weights
@@ -11,7 +12,9 @@ from transformers import Kimi_K25VisionModel
 
 from grafting.projector import GraftProjector, GraftProjectorConfig
 from grafting.tower import build_tower_config
-from services.profiles import load_profile
+from services.profiles import CONFIG_DIR, load_profile
+
+CONFIG_PUBLISHED = CONFIG_DIR / "published"
 
 
 def test_gpu_profile_validates_without_cpu_builds():
@@ -83,3 +86,124 @@ def test_speculative_decoding_is_a_typed_profile_option_passed_as_speculative_co
         v["speculative"] = spec
         with pytest.raises(ProfileError, match=key):
             parse_profile(data)
+
+
+# --- memory plan (services/memory_plan.py; model math in grafting/video/audio .memory) ---------------------------
+
+GB = 10**9  # GPU sizes as sold: "80 GB" (H100/A100) and "141 GB" (H200), in decimal bytes (74.5 / 131.3 GiB)
+
+
+def test_kv_cache_and_latent_grid_math_on_the_published_configs():
+    from grafting.memory import causal_lm_params, kv_bytes_per_token, read_config
+    from services.memory_plan import PUBLISHED
+    from video.memory import latent_grid
+
+    glm = read_config(PUBLISHED / "THUDM/GLM-4-9B-0414")
+    orpheus = read_config(PUBLISHED / "canopylabs/orpheus-3b-0.1-ft")
+    assert kv_bytes_per_token(glm, 2) == 2 * 40 * 2 * 128 * 2            # K+V x layers x kv heads x dim x bf16
+    assert kv_bytes_per_token(glm, 2, tp=2) == 2 * 40 * 1 * 128 * 2      # one KV head per GPU at tp=2
+    assert kv_bytes_per_token(orpheus, 2) == 2 * 28 * 8 * 128 * 2
+    assert abs(causal_lm_params(glm) - 9.40e9) / 9.40e9 < 0.005          # "GLM-4-9B": 9.40B with embeddings
+    assert abs(causal_lm_params(orpheus) - 3.30e9) / 3.30e9 < 0.005      # Llama-3.2-3B + audio rows
+    wan22 = PUBLISHED / "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+    tr, vae = read_config(wan22, "transformer"), read_config(wan22, "vae")
+    assert latent_grid(121, 1280, 704, vae, tr) == (31, 44, 80, 31 * 22 * 40)
+    wan21_vae = {"scale_factor_temporal": 4, "scale_factor_spatial": 8}   # Wan2.1: 8x spatial, patch 1x2x2
+    assert latent_grid(81, 832, 480, wan21_vae, {"patch_size": [1, 2, 2]}) == (21, 60, 104, 21 * 30 * 52)
+
+
+def _by_owner(p):
+    return {pl.owner: pl for pl in p.placements}
+
+
+@pytest.mark.parametrize("gpu_gb", [80, 141])
+def test_gpu_profile_fits_80_and_141_gb_gpus_as_configured(gpu_gb):
+    from services.memory_plan import GIB, plan
+
+    p = plan(load_profile("gpu"), gpu_gb * GB)
+    assert p.fits, p.problems
+    owners = _by_owner(p)
+    assert {o: pl.gpus for o, pl in owners.items()} == {"vlm[0]": [0, 1], "tts[0]": [2], "video job 0": [3]}
+    vlm = owners["vlm[0]"]
+    share = vlm.per_gpu[0]
+    assert share.what == "vLLM share" and share.bytes == int(0.85 * gpu_gb * GB)
+    weights = {x.what: x.bytes for pl in p.placements for x in pl.first}
+    assert weights["tower weights"] == 416866032 * 2                     # MoonViT 27 x 1152, bf16
+    assert weights["transformer weights"] == 4999787712 * 2              # Wan2.2-TI2V-5B, bf16
+    assert weights["text encoder weights"] == 5680910336 * 2             # UMT5-XXL encoder, bf16
+    assert weights["vae weights"] == 704688668 * 4                       # Wan2.2 VAE, fp32
+    assert weights["snac weights"] == 19842914 * 4                       # SNAC 24 kHz, fp32
+    # GPU 0 = vLLM's share + what the replica keeps there (tower, projector, activations, CUDA context)
+    assert p.used[0] == share.bytes + sum(x.bytes for x in vlm.first) and p.used[1] == share.bytes
+    assert max(p.used) <= gpu_gb * GB
+    seqs = int(re.search(r"holds (\d+) full-length sequences", " ".join(vlm.notes)).group(1))
+    assert seqs >= 16  # every sequence vLLM decodes together (max_num_seqs) fits at full length
+    assert p.used[3] / GIB < 30  # one video job at 1152x800x121 (the limits' largest clip)
+
+
+def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbers(tmp_path):
+    import ray
+    import yaml
+    from typer.testing import CliRunner
+
+    from services.cli import app as cli
+    from services.memory_plan import PlanError, check, plan
+
+    small = plan(load_profile("gpu"), 16 * GB)
+    assert not small.fits
+    text = "\n".join(small.problems)
+    assert re.search(r"GPU 0: \d+\.\d\d GiB > 14\.90 GiB \(vlm\[0\] vLLM share 12\.67", text), text
+    assert re.search(r"GPU 3: 2\d\.\d\d GiB > 14\.90 GiB \(video job 0 transformer weights 9\.31", text), text
+    data = load_profile("gpu").model_dump(mode="json")
+    data["ray"]["gpu_memory_gib"] = 16
+    prof = tmp_path / "small.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match="profile gpu does not fit its GPUs"):
+        check(load_profile(prof))
+    r = CliRunner().invoke(cli, ["serve", "--profile", str(prof)])
+    assert r.exit_code == 2 and "does not fit" in r.output and "GPU 3:" in r.output, r.output
+    assert not ray.is_initialized()  # refused before Ray starts
+    data["vlm"]["engine"]["vllm"]["gpu_memory_utilization"] = 0.3        # 0.3 x 24 GiB < 8.75 GiB of weights
+    data["ray"]["gpu_memory_gib"] = 24
+    prof.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match=r"vlm\[0\]: vLLM needs 1\d\.\d\d GiB per GPU .* but gets 7\.20 GiB"):
+        check(load_profile(prof))
+
+
+def test_profile_show_prints_the_plan(tmp_path):
+    from typer.testing import CliRunner
+
+    from services.cli import app as cli
+
+    r = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "80"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == "profile gpu: 4 GPUs x 80.0 GiB" and lines[-1] == "fits"
+    assert "vlm[0] on GPU 0,1" in lines and "tts[0] on GPU 2" in lines and "video job 0 on GPU 3" in lines
+    assert any(re.match(r"\s+kv cache\s+14\.90 GiB  on GPU 2: 16 requests x 8716 tokens", x) for x in lines)
+    assert "GPU 1: 68.00 of 80.00 GiB" in lines
+    tiny = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "16"])
+    assert tiny.exit_code == 1 and "DOES NOT FIT" in tiny.output
+    cpu = CliRunner().invoke(cli, ["profile", "show", "--profile", "cpu"])
+    assert cpu.exit_code == 0 and "nothing to plan" in cpu.output
+
+
+def test_a_fetched_checkpoint_config_is_used_before_the_published_one(tmp_path, monkeypatch):
+    import json
+
+    from services.memory_plan import plan
+
+    d = tmp_path / "THUDM/GLM-4-9B-0414"
+    d.mkdir(parents=True)
+    glm = json.loads((CONFIG_PUBLISHED / "THUDM/GLM-4-9B-0414/config.json").read_text())
+    glm["num_hidden_layers"] = 20  # a smaller variant in the model dir: the plan must count its weights
+    (d / "config.json").write_text(json.dumps(glm))
+    monkeypatch.setenv("CHIMERA_MODEL_DIR", str(tmp_path))
+    full = plan(load_profile("gpu"), 80 * GB)
+    monkeypatch.delenv("CHIMERA_MODEL_DIR")
+    ref = plan(load_profile("gpu"), 80 * GB)
+    note = " ".join(_by_owner(full)["vlm[0]"].notes)
+    ref_note = " ".join(_by_owner(ref)["vlm[0]"].notes)
+    w = float(re.search(r"llm weights (\d+\.\d\d) GiB", note).group(1))
+    w_ref = float(re.search(r"llm weights (\d+\.\d\d) GiB", ref_note).group(1))
+    assert w_ref == 8.75 and 4.5 < w < 5.5  # 20 of 40 layers plus the unchanged embeddings and head

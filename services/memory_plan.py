@@ -1,0 +1,243 @@
+"""Memory plan: whether a profile's deployments fit their GPUs, computed before anything loads.
+
+The model math is in each family (``grafting.memory``, ``video.memory``, ``audio.memory``: weights from parameter
+counts of the real architecture configs on the meta device, KV cache and activations at the profile's limits).
+This module reads those configs, places the deployments on GPUs and adds up what lands on each:
+
+- architecture configs come from the checkpoint directory when it is local (fetched by ``chimera prepare`` into
+  ``<model_dir>/<org>/<name>``), else from ``configs/published/<org>/<name>`` (the published ``config.json`` files);
+- placement: replicas in profile order (vlm, tts), first fit, as Ray hands out whole GPUs for ``num_gpus >= 1``
+  and packs fractions; the video jobs (``jobs.gpus_per_job``) then take every GPU left, one job per GPU share;
+- each process on a GPU gets :data:`CUDA_CONTEXT_BYTES` (CUDA context and allocator slack: an allowance);
+- with vLLM, the LLM's GPUs each give vLLM ``gpu_memory_utilization`` of their memory (vLLM's default 0.9 when
+  unset): weights / tp + activations + the KV cache of one full-length sequence must fit in that share (vLLM
+  refuses to start otherwise); what is left of it is KV cache, reported as full-length sequences.
+
+:func:`check` raises :class:`PlanError` with the numbers when a GPU is over its memory; ``chimera serve`` calls it
+before starting Ray, ``chimera profile show`` prints :func:`format_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grafting.memory import Need, read_config
+
+from .profiles import CONFIG_DIR, Profile
+
+GIB = 1 << 30
+CUDA_CONTEXT_BYTES = GIB
+PUBLISHED = CONFIG_DIR / "published"
+VLLM_DEFAULT_UTILIZATION = 0.9
+
+
+class PlanError(ValueError):
+    """The profile does not fit its GPUs (the message has the per-GPU numbers), or an architecture config is
+    missing."""
+
+
+def config_dir(model_dir: Path, ref: str, marker: str = "config.json") -> Path:
+    """Directory holding the architecture config(s) of checkpoint ``ref``: the local checkpoint when it has
+    ``marker``, else ``configs/published/<ref>``. Raises PlanError when neither has it."""
+    p = Path(ref).expanduser()
+    for d in ([p] if p.is_absolute() else [model_dir / p, PUBLISHED / p]):
+        if (d / marker).exists():
+            return d
+    raise PlanError(f"no architecture config for {ref}: neither {model_dir / ref} nor {PUBLISHED / ref} has "
+                    f"{marker} (run `chimera prepare`, or add the published config there)")
+
+
+@dataclass
+class Placement:
+    """One process's share of the GPUs: ``owner`` (e.g. ``vlm[0]``), ``gpus`` (indices), ``per_gpu`` (needs on
+    every one of them), ``first`` (needs only on the first), ``notes`` (what the numbers mean)."""
+
+    owner: str
+    gpus: list[int]
+    per_gpu: list[Need] = field(default_factory=list)
+    first: list[Need] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemoryPlan:
+    """The plan: ``gpu_bytes`` per GPU, ``placements``, ``used[i]`` bytes on GPU i, ``problems`` (empty: fits)."""
+
+    gpu_bytes: int
+    n_gpus: int
+    placements: list[Placement]
+    used: list[int]
+    problems: list[str]
+
+    @property
+    def fits(self) -> bool:
+        """True when no GPU is over its memory and every deployment got its GPUs."""
+        return not self.problems
+
+
+class _GPUs:
+    def __init__(self, n: int):
+        self.free = [1.0] * n
+
+    def take(self, g: float) -> list[int] | None:
+        if g >= 1:
+            whole = [i for i, f in enumerate(self.free) if f == 1.0][:math.ceil(g)]
+            if len(whole) < math.ceil(g):
+                return None
+            for i in whole:
+                self.free[i] = 0.0
+            return whole
+        for i, f in enumerate(self.free):
+            if f >= g - 1e-9:
+                self.free[i] = f - g
+                return [i]
+        return None
+
+
+def _ctx() -> Need:
+    return Need("cuda context", CUDA_CONTEXT_BYTES, "allowance per process and GPU")
+
+
+def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, owner: str) -> Placement:
+    from grafting.memory import vlm_needs
+
+    e = profile.vlm.engine
+    tower = read_config(config_dir(model_dir, e.tower))
+    llm = read_config(config_dir(model_dir, e.llm))
+    proj_dir = Path(e.projector) if Path(e.projector).is_absolute() else model_dir / e.projector
+    proj = read_config(proj_dir) if (proj_dir / "config.json").exists() else None
+    n = vlm_needs(e, tower.get("vision_config", tower), llm, proj, len(gpus))
+    pl = Placement(owner, gpus, first=n.replica + [_ctx()])
+    kv = Need("kv cache, one full sequence", n.kv_per_sequence, f"{n.context} tokens (prompt + new) per GPU")
+    if proj is None:
+        pl.notes.append(f"projector sizes assumed (no {proj_dir / 'config.json'}): {e.projector}")
+    if e.backend == "vllm":
+        util = e.vllm.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
+        share = int(util * gpu_bytes)
+        pl.per_gpu = [Need("vLLM share", share, f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")]
+        inside = n.llm + [kv, _ctx()]
+        need = sum(x.bytes for x in inside)
+        pool = share - need + kv.bytes
+        seqs = pool // kv.bytes if kv.bytes else 0
+        pl.notes.append("inside vLLM's share, per GPU: " + ", ".join(f"{x.what} {x.bytes / GIB:.2f} GiB" for x in inside)
+                        + f"; its KV cache holds {seqs} full-length sequences ({n.sequences} decoded together)")
+        if need > share:
+            pl.notes.append(f"PROBLEM: vLLM needs {need / GIB:.2f} GiB per GPU (weights, activations, one "
+                            f"{n.context}-token sequence) but gets {share / GIB:.2f} GiB")
+    else:
+        pl.per_gpu = n.llm + [Need(f"kv cache, {n.sequences} sequences", n.kv_per_sequence * n.sequences,
+                                   f"{n.context} tokens each")]
+    return pl
+
+
+def _tts(profile: Profile, model_dir: Path, gpus: list[int], owner: str) -> Placement:
+    from audio.memory import tts_needs
+
+    s = profile.tts
+    e = s.engine
+    needs = tts_needs(e, read_config(config_dir(model_dir, e.lm)), read_config(config_dir(model_dir, e.snac)),
+                      s.deployment.max_ongoing_requests)
+    return Placement(owner, gpus, first=needs + [_ctx()])
+
+
+def _video_job(profile: Profile, model_dir: Path, gpus: list[int], owner: str) -> Placement:
+    from video.memory import video_needs
+
+    e = profile.video.engine
+    d = config_dir(model_dir, e.model, "transformer/config.json")
+    needs = video_needs(e, read_config(d, "transformer"), read_config(d, "vae"), read_config(d, "text_encoder"))
+    return Placement(owner, gpus, first=needs + [_ctx()])
+
+
+def _on_gpu(section) -> bool:
+    return section.deployment.num_gpus > 0
+
+
+def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryPlan:
+    """Place ``profile``'s deployments on ``n_gpus`` GPUs of ``gpu_bytes`` each (default: ``ray.num_gpus``, else
+    as many as the deployments ask for plus one for video jobs) and add up each GPU. Raises PlanError when an
+    architecture config is missing."""
+    model_dir = profile.resolved_model_dir()
+    asks = [(fam, s) for fam, s in profile.families().items() if fam != "video" and _on_gpu(s)]
+    jobs = profile.video.engine.jobs.gpus_per_job if profile.video is not None else 0
+    if n_gpus is None:
+        n_gpus = int(profile.ray.num_gpus) if profile.ray.num_gpus is not None else \
+            math.ceil(sum(s.deployment.num_gpus * s.deployment.num_replicas for _, s in asks)) + math.ceil(jobs)
+    pool = _GPUs(n_gpus)
+    placements, problems = [], []
+    for fam, s in asks:
+        for r in range(s.deployment.num_replicas):
+            got = pool.take(s.deployment.num_gpus)
+            if got is None:
+                problems.append(f"{fam}[{r}] needs {s.deployment.num_gpus:g} GPUs; not enough free of {n_gpus}")
+                continue
+            placements.append(_vlm(profile, model_dir, got, gpu_bytes, f"{fam}[{r}]") if fam == "vlm"
+                              else _tts(profile, model_dir, got, f"{fam}[{r}]"))
+    if jobs > 0:
+        k = 0
+        while (got := pool.take(jobs)) is not None:
+            placements.append(_video_job(profile, model_dir, got, f"video job {k}"))
+            k += 1
+        if k == 0:
+            problems.append(f"no GPU left for a video job ({jobs:g} GPUs each) on {n_gpus} GPUs")
+    used = [0] * n_gpus
+    for p in placements:
+        for i, g in enumerate(p.gpus):
+            used[g] += sum(x.bytes for x in p.per_gpu) + (sum(x.bytes for x in p.first) if i == 0 else 0)
+        problems += [f"{p.owner}: {n[len('PROBLEM: '):]}" for n in p.notes if n.startswith("PROBLEM: ")]
+    for g, u in enumerate(used):
+        if u > gpu_bytes:
+            parts = [f"{p.owner} {x.what} {x.bytes / GIB:.2f}" for p in placements if g in p.gpus
+                     for x in p.per_gpu + (p.first if p.gpus[0] == g else [])]
+            problems.append(f"GPU {g}: {u / GIB:.2f} GiB > {gpu_bytes / GIB:.2f} GiB ({', '.join(parts)})")
+    return MemoryPlan(gpu_bytes, n_gpus, placements, used, problems)
+
+
+def format_plan(p: MemoryPlan, name: str) -> str:
+    """The plan as text: per process its GPUs and every need (GiB and formula), per GPU the total, the verdict."""
+    out = [f"profile {name}: {p.n_gpus} GPUs x {p.gpu_bytes / GIB:.1f} GiB"]
+    for pl in p.placements:
+        out.append(f"{pl.owner} on GPU {','.join(map(str, pl.gpus))}")
+        for x in pl.per_gpu:
+            out.append(f"  {x.what:30s} {x.bytes / GIB:8.2f} GiB  on each GPU: {x.how}")
+        for x in pl.first:
+            out.append(f"  {x.what:30s} {x.bytes / GIB:8.2f} GiB  on GPU {pl.gpus[0]}: {x.how}")
+        out += [f"  note: {n}" for n in pl.notes]
+    for g, u in enumerate(p.used):
+        out.append(f"GPU {g}: {u / GIB:.2f} of {p.gpu_bytes / GIB:.2f} GiB")
+    out.append("fits" if p.fits else "DOES NOT FIT:\n" + "\n".join(f"  {x}" for x in p.problems))
+    return "\n".join(out)
+
+
+def uses_gpus(profile: Profile) -> bool:
+    """True when a deployment or the video jobs ask Ray for GPUs."""
+    fams = profile.families()
+    return any(_on_gpu(s) for f, s in fams.items() if f != "video") or \
+        ("video" in fams and profile.video.engine.jobs.gpus_per_job > 0)
+
+
+def local_gpu_bytes() -> int | None:
+    """Memory of the smallest visible CUDA device (bytes), None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
+def check(profile: Profile, gpu_bytes: int | None = None) -> MemoryPlan | None:
+    """Plan ``profile`` on GPUs of ``gpu_bytes`` (default: ``ray.gpu_memory_gib``, else the local CUDA devices).
+    Returns the plan, or None when the profile uses no GPU or the GPU size is unknown. Raises PlanError with the
+    numbers when it does not fit."""
+    if not uses_gpus(profile):
+        return None
+    if gpu_bytes is None:
+        gpu_bytes = int(profile.ray.gpu_memory_gib * GIB) if profile.ray.gpu_memory_gib else local_gpu_bytes()
+    if gpu_bytes is None:
+        return None
+    p = plan(profile, gpu_bytes)
+    if not p.fits:
+        raise PlanError(f"profile {profile.name} does not fit its GPUs:\n" + format_plan(p, profile.name))
+    return p
