@@ -3,9 +3,10 @@
 What it does, per self-attention call of a denoising step:
 
 1. Tokens arrive frame-major (t, h, w), as Wan's patch embedding flattens them. They are permuted into 3-D
-   tiles (default 2 x 8 x 8 = 128 tokens; the first latent frame is tiled on its own, 1 x 8 x 8), so that 128
-   consecutive tokens -- one *block* -- form a spatio-temporal neighbourhood. The sequence is padded at the end
-   to a whole number of blocks; padded keys are masked out, padded queries dropped.
+   tiles (default 2 x 8 x 8 = 128 tokens; the first latent frame is tiled on its own, 1 x 8 x 16), and every
+   tile, edge tiles included, is padded to the block size, so that one 128-token *block* is exactly one tile: a
+   spatio-temporal neighbourhood on any grid (`tile_layout`). Padding slots are masked out as keys and their
+   query rows dropped; they cost compute (13.5% of the slots at Wan2.1's 21 x 30 x 52, 6.25% at 21 x 45 x 80).
 2. Each block's queries and keys are mean-pooled; the pooled Q.K^T score ranks the key blocks for each query
    block, per head. Kept: the top-k key blocks (k = round(sparsity * blocks)), plus always the diagonal block
    (the query's own neighbourhood) and every block holding the first latent frame (Wan's VAE gives the first
@@ -66,44 +67,130 @@ Grid = tuple[int, int, int]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3-D tile permutation
+# 3-D tile layout: every block is one tile
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TileLayout:
+    """Where each frame-major token sits in the tiled, padded sequence; one block = one tile, exactly.
+
+    Frames 1.. are cut into (t, h, w) tiles from frame 1 on; frame 0 (Wan's VAE gives it to one pixel frame) into
+    (1, h, t*w) tiles, so that its tiles hold as many tokens as the others. Every tile, edge tiles included, is
+    padded to the block size (the tile volume), so block b of the sequence is tile b and nothing else. Padding
+    slots hold zeros, are masked as keys, and their query rows are dropped.
+
+    Attributes:
+        grid: (frames, height, width) latent token grid; tile: (t, h, w); block_size: prod(tile).
+        slots: int64 [S_pad], S_pad = n_blocks * block_size: the frame-major token index at each slot, -1 where
+            the slot is padding.
+        inv: int64 [N], N = prod(grid): the slot of each frame-major token (`x = x_tiled[..., inv, :]`).
+        valid: bool [S_pad]: slot holds a real token.
+        n_blocks: blocks (= tiles); first_frame_blocks: the leading blocks that tile frame 0.
+    """
+
+    grid: Grid
+    tile: Grid
+    block_size: int
+    slots: torch.Tensor
+    inv: torch.Tensor
+    valid: torch.Tensor
+    n_blocks: int
+    first_frame_blocks: int
+
+    def to_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, N, D] frame-major -> [B, H, S_pad, D] tiled, zeros at padding slots (same dtype/device)."""
+        out = x.new_zeros(*x.shape[:2], self.slots.numel(), x.shape[-1])
+        return out.index_copy_(2, self.inv.to(x.device), x)
+
+    def from_tiles(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, H, S_pad, D] tiled -> [B, H, N, D] frame-major; padding slots are dropped."""
+        return y.index_select(2, self.inv.to(y.device))
+
+
 @lru_cache(maxsize=64)
-def tile_permutation(grid: Grid, tile: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Order of frame-major tokens after grouping them into 3-D tiles (Sliding Tile Attention / VSA layout).
+def tile_layout(grid: Grid, tile: Grid) -> TileLayout:
+    """The `TileLayout` of a latent grid (Sliding Tile Attention / VSA layout, tiles padded to whole blocks).
 
     Args:
         grid: (frames, height, width) of the latent token grid, e.g. (21, 30, 52) for Wan2.1 at 480x832x81.
-        tile: (t, h, w) tile shape. The first latent frame is tiled on its own with (1, h, w); frames 1.. with
-            (t, h, w). Edge tiles are cut short (no padding inside the sequence).
+        tile: (t, h, w) tile shape of frames 1..; frame 0 uses (1, h, t*w). Block size = t*h*w.
 
     Returns:
-        `perm` (int64 [N], N = prod(grid)): `x_tiled = x[..., perm, :]` for frame-major `x`, and its inverse
-        `inv` (int64 [N]): `x = x_tiled[..., inv, :]`. Frame-0 tokens come first, i.e. `perm[:h*w]` is frame 0.
+        The layout (CPU tensors; cached per (grid, tile)). Example: (21, 30, 52) with (2, 8, 8) gives 16 frame-0
+        blocks (4 x 4 tiles of 1x8x16) + 280 blocks for frames 1-20 (10 x 4 x 7 tiles of 2x8x8) = 296 blocks
+        holding 32,760 tokens in 37,888 slots.
 
     Raises:
         ValueError: if a grid or tile dimension is not positive.
     """
-    if min(grid) < 1 or min(tile) < 1:
-        raise ValueError(f"grid {grid} and tile {tile} must be positive")
+    grid, tile = tuple(int(g) for g in grid), tuple(int(t) for t in tile)
+    if len(grid) != 3 or len(tile) != 3 or min(grid) < 1 or min(tile) < 1:
+        raise ValueError(f"grid {grid} and tile {tile} must be three positive sizes")
     T, H, W = grid
     index = torch.arange(T * H * W).view(T, H, W)
-    parts = [_tile_order(index[:1], (1, tile[1], tile[2]))]
-    if T > 1:
-        parts.append(_tile_order(index[1:], tile))
-    perm = torch.cat(parts)
-    return perm, torch.argsort(perm)
+    first = _tile_slots(index[:1], (1, tile[1], tile[0] * tile[2]))
+    parts = [first] + ([_tile_slots(index[1:], tile)] if T > 1 else [])
+    slots = torch.cat(parts)
+    valid = slots >= 0
+    inv = torch.empty(T * H * W, dtype=torch.int64)
+    inv[slots[valid]] = torch.nonzero(valid).squeeze(1)
+    block_size = math.prod(tile)
+    return TileLayout(grid, tile, block_size, slots, inv, valid, slots.numel() // block_size,
+                      first.numel() // block_size)
 
 
-def _tile_order(index: torch.Tensor, tile: Grid) -> torch.Tensor:
-    """Frame-major indices `index` (int64 [t, h, w]) listed tile by tile, each tile in (t, h, w) order."""
+def _tile_slots(index: torch.Tensor, tile: Grid) -> torch.Tensor:
+    """Frame-major indices `index` (int64 [t, h, w]) listed tile by tile, each tile in (t, h, w) order and padded
+    with -1 to the tile volume (edge tiles included)."""
     pads = [(-s) % ts for s, ts in zip(index.shape, tile)]
     padded = F.pad(index, (0, pads[2], 0, pads[1], 0, pads[0]), value=-1)
     (nt, nh, nw), (tt, th, tw) = [s // ts for s, ts in zip(padded.shape, tile)], tile
-    order = padded.view(nt, tt, nh, th, nw, tw).permute(0, 2, 4, 1, 3, 5).reshape(-1)
-    return order[order >= 0]
+    return padded.view(nt, tt, nh, th, nw, tw).permute(0, 2, 4, 1, 3, 5).reshape(-1)
+
+
+def tile_ids(grid: Grid, tile: Grid) -> torch.Tensor:
+    """int64 [N]: the geometric tile of each frame-major token (frame 0: (1, h, t*w) tiles; frames 1..: (t, h, w)
+    tiles starting at frame 1), numbered in the order `tile_layout` lists them. The reference for locality."""
+    T, H, W = grid
+    tt, th, tw = tile
+    t, h, w = torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij")
+    n0h, n0w = -(-H // th), -(-W // (tt * tw))
+    nh, nw = -(-H // th), -(-W // tw)
+    first = (h // th) * n0w + w // (tt * tw)
+    rest = n0h * n0w + (((t - 1).clamp(min=0) // tt) * nh + h // th) * nw + w // tw
+    return torch.where(t == 0, first, rest).reshape(-1)
+
+
+def block_locality(slots: torch.Tensor, grid: Grid, tile: Grid, block_size: int) -> dict:
+    """How local the blocks of a token order are: the measure the pooled block selection relies on.
+
+    Args:
+        slots: int64 [S_pad] frame-major token index per slot, -1 for padding (a `TileLayout.slots`, or any other
+            order cut into consecutive blocks of `block_size`).
+        grid, tile: the latent grid and the tile shape whose tiles (`tile_ids`) are the reference.
+
+    Returns:
+        dict with `blocks`; `straddling`: blocks whose real tokens lie in more than one tile; `fill`: real tokens /
+        slots; `bbox`: mean (frames, rows, cols) extent of a block's real tokens; `bbox_volume`: mean volume of
+        that box over the mean real tokens per block (1.0 = a block fills its box).
+    """
+    T, H, W = grid
+    blocks = slots.view(-1, block_size)
+    ids = tile_ids(grid, tile)
+    straddling, extents, ratios = 0, [], []
+    for row in blocks:
+        tok = row[row >= 0]
+        if tok.numel() == 0:
+            continue
+        straddling += int(ids[tok].unique().numel() > 1)
+        t, h, w = tok // (H * W), (tok // W) % H, tok % W
+        ext = [int(a.max() - a.min()) + 1 for a in (t, h, w)]
+        extents.append(ext)
+        ratios.append(math.prod(ext) / tok.numel())
+    n = len(extents)
+    return {"blocks": blocks.shape[0], "straddling": straddling, "fill": float((slots >= 0).sum()) / slots.numel(),
+            "bbox": tuple(sum(e[i] for e in extents) / n for i in range(3)), "bbox_volume": sum(ratios) / n}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,24 +198,39 @@ def _tile_order(index: torch.Tensor, tile: Grid) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _check_valid(valid: torch.Tensor | None, S_pad: int, block_size: int, device) -> torch.Tensor:
+    """bool [S_pad] on `device` (all True when None); ValueError unless S_pad is whole blocks, each with a real
+    token."""
+    if S_pad % block_size:
+        raise ValueError(f"padded length {S_pad} is not a multiple of block_size {block_size}")
+    if valid is None:
+        return torch.ones(S_pad, dtype=torch.bool, device=device)
+    valid = valid.to(device=device, dtype=torch.bool)
+    if valid.shape != (S_pad,):
+        raise ValueError(f"valid has shape {tuple(valid.shape)}, expected ({S_pad},)")
+    if not bool(valid.view(-1, block_size).any(-1).all()):
+        raise ValueError("every block must hold at least one real token (a block of padding only)")
+    return valid
+
+
 def select_blocks(
     query: torch.Tensor,
     key: torch.Tensor,
-    seq_len: int,
     block_size: int,
     sparsity: float,
     forced_cols: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Pick, per query block and head, the key blocks to compute (pooled-score top-k, as in VSA / SVG2 / NABLA).
 
     Args:
-        query, key: [B, H, S_pad, D] (any float dtype), already tile-permuted and padded to a multiple of
-            `block_size` (S_pad = n_blocks * block_size); positions >= `seq_len` are padding (ignored in pooling).
-        seq_len: number of real tokens.
+        query, key: [B, H, S_pad, D] (any float dtype), already tiled (`TileLayout.to_tiles`), S_pad = n_blocks *
+            block_size.
         block_size: tokens per block.
         sparsity: kept fraction of key blocks in (0, 1].
         forced_cols: bool [n_blocks], key blocks every query block keeps (the first latent frame); the diagonal
             block is always kept as well.
+        valid: bool [S_pad], real tokens (`TileLayout.valid`); pooling averages over those only. None: all real.
 
     Returns:
         `(indices, n_keep)`: int32 [B, H, n_blocks, n_blocks] whose first `n_keep` entries per row are the kept
@@ -136,18 +238,17 @@ def select_blocks(
         forced blocks per row), at most n_blocks.
 
     Raises:
-        ValueError: if `sparsity` is outside (0, 1] or the padded length is not a multiple of `block_size`.
+        ValueError: if `sparsity` is outside (0, 1], S_pad is not whole blocks, or a block holds no real token.
     """
     if not 0.0 < sparsity <= 1.0:
         raise ValueError(f"sparsity must be in (0, 1], got {sparsity}")
     B, H, S_pad, D = query.shape
-    if S_pad % block_size:
-        raise ValueError(f"padded length {S_pad} is not a multiple of block_size {block_size}")
+    valid = _check_valid(valid, S_pad, block_size, query.device)
     nb = S_pad // block_size
-    counts = torch.full((nb,), float(block_size), device=query.device)
-    counts[-1] = seq_len - (nb - 1) * block_size
-    pooled_q = query.float().view(B, H, nb, block_size, D).sum(-2) / counts[:, None]
-    pooled_k = key.float().view(B, H, nb, block_size, D).sum(-2) / counts[:, None]
+    weight = valid.float()
+    counts = weight.view(nb, block_size).sum(-1)[:, None]
+    pooled_q = (query.float() * weight[:, None]).view(B, H, nb, block_size, D).sum(-2) / counts
+    pooled_k = (key.float() * weight[:, None]).view(B, H, nb, block_size, D).sum(-2) / counts
     score = pooled_q @ pooled_k.transpose(-1, -2)  # [B, H, nb, nb]
 
     forced = torch.eye(nb, dtype=torch.bool, device=query.device)
@@ -160,37 +261,40 @@ def select_blocks(
     return torch.cat([kept, filler], dim=-1).to(torch.int32), n_keep
 
 
-def make_block_mask(indices: torch.Tensor, n_keep: int, seq_len: int, block_size: int) -> BlockMask:
+def make_block_mask(indices: torch.Tensor, n_keep: int, valid: torch.Tensor, block_size: int) -> BlockMask:
     """flex_attention `BlockMask` from `select_blocks` output.
 
     Args:
         indices: int32 [B, H, n_blocks, n_blocks], first `n_keep` per row are kept key blocks (ascending).
         n_keep: kept blocks per row.
-        seq_len: real tokens; keys at positions >= seq_len are masked.
+        valid: bool [n_blocks * block_size], real tokens; keys at padding slots are masked.
         block_size: tokens per block (same for queries and keys).
 
     Returns:
         BlockMask over [n_blocks * block_size]^2. Kept blocks that hold no padding are "full" blocks, computed
-        without evaluating the mask; the last block, when it holds padding, is a partial block. The mask_mod
+        without evaluating the mask; kept blocks with padding slots (edge tiles) are partial blocks. The mask_mod
         (kept block and real key) defines the same mask element-wise, so eager flex, which ignores the block
         structure and evaluates mask_mod everywhere, computes the same attention.
     """
     B, H, nb, _ = indices.shape
+    valid = _check_valid(valid, nb * block_size, block_size, indices.device)
+    kept_idx = indices[..., :n_keep].long()
     kept = torch.zeros(B, H, nb, nb, dtype=torch.bool, device=indices.device)
-    kept.scatter_(-1, indices[..., :n_keep].long(), True)
-    num = torch.full((B, H, nb), n_keep, dtype=torch.int32, device=indices.device)
-    if seq_len < nb * block_size:
-        # Rows are sorted ascending, so the last (padded) block, when kept, sits at position n_keep - 1.
-        partial_num = (indices[..., n_keep - 1] == nb - 1).to(torch.int32)
-    else:
-        partial_num = torch.zeros_like(num)
+    kept.scatter_(-1, kept_idx, True)
+    has_pad = ~valid.view(nb, block_size).all(-1)
+    padded = has_pad[kept_idx]  # [B, H, nb, n_keep]
+    n_partial = padded.sum(-1, dtype=torch.int32)
+    filler = torch.zeros(B, H, nb, nb - n_keep, dtype=torch.int32, device=indices.device)
+    # Stable sorts keep each group ascending: partial blocks first for kv_indices, full blocks first for full_.
+    partial_idx = kept_idx.gather(-1, torch.argsort(~padded, dim=-1, stable=True)).to(torch.int32)
+    full_idx = kept_idx.gather(-1, torch.argsort(padded, dim=-1, stable=True)).to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return kept[b, h, q_idx // block_size, kv_idx // block_size] & (kv_idx < seq_len)
+        return kept[b, h, q_idx // block_size, kv_idx // block_size] & valid[kv_idx]
 
     return BlockMask.from_kv_blocks(
-        partial_num, torch.full_like(indices, nb - 1), num - partial_num, indices, BLOCK_SIZE=block_size,
-        mask_mod=mask_mod, seq_lengths=(nb * block_size, nb * block_size),
+        n_partial, torch.cat([partial_idx, filler], -1), n_keep - n_partial, torch.cat([full_idx, filler], -1),
+        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(nb * block_size, nb * block_size),
     )
 
 
@@ -223,8 +327,8 @@ def gathered_block_attention(
     value: torch.Tensor,
     indices: torch.Tensor,
     n_keep: int,
-    seq_len: int,
     block_size: int,
+    valid: torch.Tensor | None = None,
     shared_blocks: int = 0,
     budget_bytes: int = 8 << 20,
 ) -> torch.Tensor:
@@ -234,18 +338,19 @@ def gathered_block_attention(
     contiguous buffer (`index_select`), scores = Q_blk @ K_kept^T (`bmm`, i.e. the BLAS GEMM), a softmax with the
     max subtracted, out = P @ V_kept, normalised after the product as in FlashAttention (Dao et al. 2022). The
     `shared_blocks` leading key blocks that every row keeps (the first latent frame) are not gathered: they are
-    read in place as one strided operand. Work is the kept blocks only, like compiled flex_attention, but on
-    CPU the GEMMs run at BLAS speed (inductor's CPU flex template uses a 1x16 fp32 micro-kernel).
+    read in place as one strided operand. Padding slots get a -inf score bias (gathered with their blocks). Work
+    is the kept blocks only, like compiled flex_attention, but on CPU the GEMMs run at BLAS speed (inductor's CPU
+    flex template uses a 1x16 fp32 micro-kernel).
 
     Args:
-        query, key: [B, H, S_pad, D], value: [B, H, S_pad, Dv]; tile-permuted, padded to S_pad = n_blocks *
-            block_size (less than one block of padding); float32 (other dtypes are computed in float32 and cast
-            back).
+        query, key: [B, H, S_pad, D], value: [B, H, S_pad, Dv]; tiled (`TileLayout.to_tiles`), S_pad = n_blocks *
+            block_size; float32 (other dtypes are computed in float32 and cast back).
         indices: int [B, H, n_blocks, >= n_keep] from `select_blocks`; the first `n_keep` per row are the kept key
             blocks in ascending order.
         n_keep: kept blocks per row.
-        seq_len: real tokens; keys at positions >= seq_len are masked, queries there are computed but meaningless.
         block_size: tokens per block.
+        valid: bool [S_pad], real tokens (None: all real); keys at padding slots are masked, query rows there are
+            computed but meaningless.
         shared_blocks: leading kept entries equal to 0, 1, ..., shared_blocks - 1 in every row (checked).
         budget_bytes: rough size of one step's working set (gathered K/V and scores); sets how many heads are
             batched per step.
@@ -254,15 +359,12 @@ def gathered_block_attention(
         [B, H, S_pad, Dv] in the dtype of `query`; softmax scale 1/sqrt(D) (the query's head dim).
 
     Raises:
-        ValueError: if S_pad is not a whole number of blocks, the padding is a block or more
-            (S_pad - seq_len >= block_size), or the first `shared_blocks` kept entries are not 0..shared_blocks-1
-            in every row.
+        ValueError: if S_pad is not a whole number of blocks, a block holds no real token, or the first
+            `shared_blocks` kept entries are not 0..shared_blocks-1 in every row.
     """
     B, H, S_pad, D = query.shape
     Dv = value.shape[-1]
-    if S_pad % block_size or not 0 <= S_pad - seq_len < block_size:
-        raise ValueError(f"padded length {S_pad} must be whole blocks of {block_size} with less than one block of "
-                         f"padding after {seq_len} tokens")
+    valid = _check_valid(valid, S_pad, block_size, query.device)
     nb, bs, BH = S_pad // block_size, block_size, B * H
     dtype = query.dtype
     q, scale = query.float().reshape(BH, nb, bs, D), D**-0.5
@@ -275,9 +377,11 @@ def gathered_block_attention(
     n_var = n_keep - shared_blocks
     # Rows of the gathered (variable) part, as indices into [BH * nb] blocks; step-major for one slice per step.
     var_idx = (idx[..., shared_blocks:] + nb * torch.arange(BH, device=idx.device)[:, None, None]).transpose(0, 1)
-    pad = S_pad - seq_len
     k_blocks, v_blocks = k.reshape(BH * nb, bs, D), v.reshape(BH * nb, bs, Dv)
     f32 = {"dtype": torch.float32, "device": q.device}
+    bias = torch.zeros(S_pad, **f32).masked_fill_(~valid, float("-inf"))  # additive score bias per key slot
+    shared_bias = bias[: shared_blocks * bs] if not bool(valid[: shared_blocks * bs].all()) else None
+    var_bias = bias.view(nb, bs) if not bool(valid[shared_blocks * bs:].all()) else None
     out = torch.empty(BH, nb, bs, Dv, **f32)
 
     per_head = 4 * (n_var * bs * (D + Dv) + bs * n_keep * bs)
@@ -291,22 +395,21 @@ def gathered_block_attention(
         k_var = torch.empty(g * n_var, bs, D, **f32)
         v_var = torch.empty(g * n_var, bs, Dv, **f32)
         row_max, row_sum = torch.empty(g, bs, 1, **f32), torch.empty(g, bs, 1, **f32)
-        tail_cols = s_var.view(g, bs, n_var, bs)[..., -1, bs - pad:] if (pad and n_var) else None
         for blk in range(nb):
             q_blk, o_blk = q[h0:h1, blk], out[h0:h1, blk]
             rows = var_idx[blk, h0:h1]  # [g, n_var]
             if shared_blocks:
                 torch.baddbmm(s_shared, q_blk, k_shared.transpose(1, 2), beta=0.0, alpha=scale, out=s_shared)
-                if shared_blocks * bs > seq_len:
-                    s_shared[..., seq_len:] = float("-inf")
+                if shared_bias is not None:
+                    s_shared += shared_bias
             if n_var:
                 flat = rows.reshape(-1)
                 torch.index_select(k_blocks, 0, flat, out=k_var)
                 torch.index_select(v_blocks, 0, flat, out=v_var)
                 torch.baddbmm(s_var, q_blk, k_var.view(g, n_var * bs, D).transpose(1, 2), beta=0.0, alpha=scale,
                               out=s_var)
-                if tail_cols is not None:  # the last (padded) block, when kept, is the last entry of a row
-                    tail_cols.masked_fill_((rows[:, -1] % nb == nb - 1)[:, None, None], float("-inf"))
+                if var_bias is not None:  # padding slots of the gathered blocks
+                    s_var += var_bias[rows % nb].view(g, 1, n_var * bs)
             parts = [(s, vv) for s, vv, n in ((s_shared, v_shared, shared_blocks), (s_var, v_var, n_var)) if n]
             torch.amax(parts[0][0], -1, keepdim=True, out=row_max)
             for s, _ in parts[1:]:
@@ -334,13 +437,13 @@ def block_sparse_attention(
     compiled: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Self-attention over the tile-permuted block-sparse mask; drop-in for `F.scaled_dot_product_attention`.
+    """Self-attention over the tiled block-sparse mask; drop-in for `F.scaled_dot_product_attention`.
 
     Args:
         query, key, value: [B, H, N, D], frame-major tokens with N = prod(grid) (float32, bfloat16 or float16).
         grid: (frames, height, width) of the latent token grid.
         sparsity: kept fraction of key blocks in (0, 1]; 1.0 computes every block (equals dense attention).
-        tile: (t, h, w) tile shape; its volume is the block size.
+        tile: (t, h, w) tile shape; its volume is the block size; one block is one tile (`tile_layout`).
         compiled: for the flex backend: compiled flex_attention (skips masked blocks) or eager flex (dense
             compute, a reference).
         backend: "flex" (`flex_attention` with a `BlockMask`), "gather" (`gathered_block_attention`: gathered
@@ -348,7 +451,8 @@ def block_sparse_attention(
             to float rounding.
 
     Returns:
-        [B, H, N, D] attention output, frame-major, dtype of `query`. Softmax scale 1/sqrt(D).
+        [B, H, N, D] attention output, frame-major, dtype of `query`. Softmax scale 1/sqrt(D). Padding slots of
+        the tiles are never attended to and never returned.
 
     Raises:
         ValueError: if N != prod(grid), `sparsity` is outside (0, 1], a tile dimension is not positive, or
@@ -361,21 +465,18 @@ def block_sparse_attention(
     B, H, N, D = query.shape
     if N != math.prod(grid):
         raise ValueError(f"sequence length {N} does not match the latent grid {grid}")
-    perm, inv = (t.to(query.device) for t in tile_permutation(tuple(grid), tuple(tile)))
-    block_size = math.prod(tile)
-    nb = -(-N // block_size)
-    pad = nb * block_size - N
-    q, k, v = (F.pad(x.index_select(2, perm), (0, 0, 0, pad)) for x in (query, key, value))
-
-    first_frame_blocks = -(-(grid[1] * grid[2]) // block_size)  # frame 0 is tiled first: blocks [0, this)
-    forced_cols = torch.arange(nb, device=query.device) < first_frame_blocks
-    indices, n_keep = select_blocks(q, k, N, block_size, sparsity, forced_cols)
+    layout = tile_layout(tuple(grid), tuple(tile))
+    bs, nb = layout.block_size, layout.n_blocks
+    valid = layout.valid.to(query.device)
+    q, k, v = (layout.to_tiles(x) for x in (query, key, value))
+    forced_cols = torch.arange(nb, device=query.device) < layout.first_frame_blocks
+    indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid)
     if backend == "gather":
-        out = gathered_block_attention(q, k, v, indices, n_keep, N, block_size, shared_blocks=first_frame_blocks)
+        out = gathered_block_attention(q, k, v, indices, n_keep, bs, valid, shared_blocks=layout.first_frame_blocks)
     else:
-        mask = make_block_mask(indices, n_keep, N, block_size)
+        mask = make_block_mask(indices, n_keep, valid, bs)
         out = _flex(compiled)(q, k, v, block_mask=mask)
-    return out[:, :, :N].index_select(2, inv)
+    return layout.from_tiles(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
