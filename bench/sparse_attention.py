@@ -14,6 +14,11 @@ For growing latent grids of an 81-frame Wan clip (21 latent frames; 4k, 8k, 16k 
   through a seeded random 3x3x3 conv (local features) and q/k/v projections with RMS norm and Wan's 3-D RoPE
   (diffusers' WanRotaryPosEmbed), as in a Wan self-attention layer; the same on i.i.d. noise for contrast.
 
+First it prints the tile layout on the real Wan latent grids (Wan2.1 / Wan2.2-A14B at 480p and 720p, Wan2.2-TI2V-5B
+at 480p and 720p): blocks, padding, blocks straddling two tiles (ours vs the old packed order, which cut tiles
+short and packed them back to back), mean block extent, and the kept fraction at --keep (of blocks, and of real
+keys). `--layout-only` prints just that (index math, a second or two).
+
 Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side
 by side so they hold). `bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
 """
@@ -30,10 +35,70 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from video.sparse_attention import block_sparse_attention
+from video.sparse_attention import (
+    _tile_slots,
+    block_locality,
+    block_sparse_attention,
+    make_block_mask,
+    select_blocks,
+    tile_layout,
+)
 
 CPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30)]  # 4,032 / 8,316 / 16,380 tokens
 GPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30), (21, 30, 52)]  # + Wan2.1 480x832x81: 32,760
+
+
+# (name, (height, width, frames), VAE (temporal, spatial) stride); patch 1x2x2 for all of them.
+REAL_VIDEOS = [
+    ("Wan2.1 / 2.2-A14B 480p", (480, 832, 81), (4, 8)),
+    ("Wan2.1 / 2.2-A14B 720p", (720, 1280, 81), (4, 8)),
+    ("Wan2.2-TI2V-5B 480p", (480, 832, 121), (4, 16)),
+    ("Wan2.2-TI2V-5B 720p", (704, 1280, 121), (4, 16)),
+]
+
+
+def latent_grid(height: int, width: int, frames: int, stride: tuple[int, int]) -> tuple[int, int, int]:
+    """Token grid (frames, rows, cols) of a Wan clip: VAE stride (t, s) with the first frame kept, then 1x2x2."""
+    t, s = stride
+    return (1 + (frames - 1) // t, height // s // 2, width // s // 2)
+
+
+def packed_slots(grid, tile=(2, 8, 8)) -> torch.Tensor:
+    """The old token order: frame 0 in (1, h, w) tiles, edge tiles cut short, all packed back to back and padded
+    at the end (int64 [S_pad], -1 = padding). For the comparison only."""
+    T, H, W = grid
+    index = torch.arange(T * H * W).view(T, H, W)
+    parts = [_tile_slots(index[:1], (1, tile[1], tile[2]))] + ([_tile_slots(index[1:], tile)] if T > 1 else [])
+    order = torch.cat(parts)
+    order = order[order >= 0]
+    bs = math.prod(tile)
+    return torch.cat([order, torch.full(((-order.numel()) % bs,), -1, dtype=torch.int64)])
+
+
+def layout_report(keep: float, tile=(2, 8, 8)) -> None:
+    """Print blocks, padding, straddling blocks (ours / old packed order), mean block extent and kept fractions
+    at `keep` on each real latent grid (random pooled scores: the fractions do not depend on them much)."""
+    bs = math.prod(tile)
+    print(f"tile layout on the real latent grids, tile {'x'.join(map(str, tile))} ({bs}-token blocks), keep {keep}:")
+    print(f"{'model, resolution':<24} {'grid':>9} {'tokens':>7} {'blocks':>6} {'pad':>6} {'straddle':>9} "
+          f"{'(old)':>9} {'extent t x h x w':>17} {'kept blk':>9} {'kept keys':>9}")
+    for name, (h, w, f), stride in REAL_VIDEOS:
+        grid = latent_grid(h, w, f, stride)
+        layout = tile_layout(grid, tile)
+        ours = block_locality(layout.slots, grid, tile, bs)
+        old = block_locality(packed_slots(grid, tile), grid, tile, bs)
+        g = torch.Generator().manual_seed(0)
+        q, k = (layout.to_tiles(torch.randn(1, 1, math.prod(grid), 8, generator=g)) for _ in range(2))
+        forced = torch.arange(layout.n_blocks) < layout.first_frame_blocks
+        idx, n_keep = select_blocks(q, k, bs, keep, forced, layout.valid)
+        kept = make_block_mask(idx, n_keep, layout.valid, bs).to_dense()[0, 0].bool()  # [nb, nb]
+        real_per_block = layout.valid.view(-1, bs).sum(-1).float()
+        key_frac = float((kept.float() @ real_per_block).mean()) / math.prod(grid)
+        ext = " x ".join(f"{e:.1f}" for e in ours["bbox"])
+        print(f"{name:<24} {'x'.join(map(str, grid)):>9} {math.prod(grid):>7} {layout.n_blocks:>6} "
+              f"{1 - ours['fill']:>6.1%} {ours['straddling']:>4}/{ours['blocks']:<4} "
+              f"{old['straddling']:>4}/{old['blocks']:<4} {ext:>17} {n_keep / layout.n_blocks:>9.3f} "
+              f"{key_frac:>9.3f}", flush=True)
 
 
 def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0):
@@ -112,7 +177,12 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="kept keys per query for the fixed-budget series")
     ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
     ap.add_argument("--backends", default=None, help="comma-separated: flex,gather (CPU default), flex (CUDA)")
+    ap.add_argument("--layout-only", action="store_true", help="print the tile layout table only")
     args = ap.parse_args()
+
+    layout_report(args.keep)
+    if args.layout_only:
+        return
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
