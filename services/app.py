@@ -12,6 +12,7 @@ import hmac
 import importlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -177,11 +178,30 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
     for fam, section in families.items():
         app.include_router(family_module(fam).make_router(section, backends[fam], profile))
 
+    mount_playground(app)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(AuthMiddleware, keys=profile.server.all_api_keys(),
                        protect_metrics=profile.server.metrics_requires_key)
     app.add_middleware(EdgeMiddleware, limits=profile.server.limits.body_limits())
     return app
+
+
+PLAYGROUND_DIR = Path(__file__).parent / "playground"
+
+
+def mount_playground(app: FastAPI) -> None:
+    """Serve the web playground (``services/playground/``, static files, no build step): ``GET /`` is its page
+    and ``/playground/*`` its assets. Only these paths are taken, so ``/v1/*``, ``/healthz``, ``/readyz``,
+    ``/metrics`` and ``/docs`` keep their routes, and an unknown path stays an OpenAI-shaped 404."""
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    @app.get("/", include_in_schema=False)
+    async def playground_page():
+        """The playground's page (``services/playground/index.html``)."""
+        return FileResponse(PLAYGROUND_DIR / "index.html", media_type="text/html")
+
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
 
 async def json_object(request) -> dict:
