@@ -15,6 +15,7 @@ Ray's proxy loads it through ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=service
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -31,8 +32,9 @@ DEFAULT_LIMITS = {"routes": {"/v1/chat/completions": 20 << 20, "/v1/audio/speech
 #: A refused body up to this many bytes is read and dropped before the 413 is sent, so that a client still
 #: writing it (most HTTP clients read no response before their request is written) receives the 413 instead of
 #: a connection reset. Larger ones, and clients that sent ``Expect: 100-continue``, get the 413 at once and the
-#: connection is closed.
+#: connection is closed; so does a client still sending after :data:`DRAIN_MAX_S` seconds.
 DRAIN_MAX_BYTES = 64 << 20
+DRAIN_MAX_S = 5.0
 
 
 def limits_from_env() -> dict:
@@ -75,13 +77,17 @@ class EdgeMiddleware:
         """Send 413 ``request_too_large``; with ``drain``, first read (and drop) the rest of the body."""
         if drain:
             seen = 0
-            while seen <= DRAIN_MAX_BYTES:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    return  # the client is gone
-                seen += len(msg.get("body", b""))
-                if not msg.get("more_body"):
-                    break
+            try:
+                async with asyncio.timeout(DRAIN_MAX_S):
+                    while seen <= DRAIN_MAX_BYTES:
+                        msg = await receive()
+                        if msg["type"] != "http.request":
+                            return  # the client is gone
+                        seen += len(msg.get("body", b""))
+                        if not msg.get("more_body"):
+                            break
+            except TimeoutError:
+                drain = False  # a slow sender: answer now and close
         start, body = _error(413, f"request body is over this endpoint's limit of {limit} bytes",
                              "invalid_request_error", "request_too_large",
                              [] if drain else [(b"connection", b"close")])

@@ -399,3 +399,23 @@ def test_one_lone_surrogate_check_per_side():
         reject_invalid_unicode({"prompt": "x", "input_reference": {"image_url": bad}})
     assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_unicode",
                                                                        "input_reference.image_url")
+
+
+def test_a_slow_refused_body_is_answered_after_the_drain_bound(monkeypatch):
+    """A refused body whose sender stalls is not waited for past ``DRAIN_MAX_S`` (0.1 s here): the 413 goes out
+    with ``Connection: close``."""
+    import services.edge as edge
+
+    monkeypatch.setattr(edge, "DRAIN_MAX_S", 0.1)
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(3600)  # never sends its body
+
+    async def send(msg):
+        sent.append(msg)
+
+    app = EdgeMiddleware(_Inner(), LIMITS)
+    asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                     "headers": [(b"content-length", b"5000")], "query_string": b""}, receive, send))
+    assert sent[0]["status"] == 413 and dict(sent[0]["headers"])[b"connection"] == b"close"
