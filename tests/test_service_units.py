@@ -321,7 +321,7 @@ def test_video_call_cancelled_by_serve_ends_as_cancelled_not_as_a_failure():
     shutdown test's log. The stand-in manager raises what Ray raises; the manager's own errors still unwrap."""
     import ray
 
-    from services.jobs import JobError
+    from services.job_manager import JobError
     from services.videos import Deployment
 
     class _Method:

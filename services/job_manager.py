@@ -1,0 +1,291 @@
+"""Video jobs: the job-manager Ray actor, and one Ray task per job.
+
+- :class:`JobManager`: a (detached, named) Ray actor, the one writer of the :class:`services.job_store.JobStore`.
+  Ray tasks started from a Serve replica die with it, so jobs are launched from here: each job is its own Ray
+  task (:func:`services.job_runner.run_video_job`) asking for ``gpus_per_job`` GPUs (1 in GPU profiles: Ray
+  sets the task's ``CUDA_VISIBLE_DEVICES``; 0 on the cpu profile), so one job owns one GPU and Ray's scheduler
+  queues the rest. Cancel = ``ray.cancel(force=True)``: the worker process is killed and its GPU is free at once.
+- Restart recovery (documented behaviour): when a manager starts on an existing store, jobs that were
+  ``in_progress`` become ``failed`` with error code ``interrupted`` (their partial work is lost; the client
+  may resubmit); ``queued`` jobs, which never started, are launched again. Completed jobs and their files stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .job_runner import run_video_job
+from .job_store import JobStore, request_hash, video_object
+
+
+class JobError(Exception):
+    """An error answered to the client: ``status_code`` 404 unknown id, 409 wrong state, 429 queue full."""
+
+    def __init__(self, status_code: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.param = param
+
+    def __reduce__(self):  # crosses Ray process boundaries intact
+        return (type(self), (self.status_code, str(self), self.code, self.param))
+
+
+# ---- the manager actor ---------------------------------------------------------------------------------------
+class JobManager:
+    """Owns the store and launches one Ray task per job (wrap with ``ray.remote``; see :func:`get_manager`).
+
+    ``engine_cfg``: the video engine config (dict); ``model_dir``: the profile's model dir; ``model_id``: the
+    public model id. All methods return plain dicts (Video objects) or raise :class:`JobError`.
+    """
+
+    def __init__(self, engine_cfg: dict, model_dir: str, model_id: str):
+        from video.config import VideoConfig
+
+        self.cfg = VideoConfig.model_validate(engine_cfg)
+        self.cfg_json = self.cfg.model_dump_json()
+        self.model_dir = model_dir
+        self.model_id = model_id
+        jobs = self.cfg.jobs
+        url = jobs.store_url
+        if url.startswith("sqlite:///") and not url.startswith("sqlite:////") and url != "sqlite:///:memory:":
+            url = "sqlite:///" + str(Path(model_dir) / url[len("sqlite:///"):])
+        res = Path(jobs.results_dir)
+        self.store = JobStore(url, res if res.is_absolute() else Path(model_dir) / res)
+        self.refs: dict[str, Any] = {}
+        self.watchers: dict[str, asyncio.Task] = {}
+        self._recovered = False
+        self._last_created = self.store.latest_created_at()
+
+    def _created_at(self) -> float:
+        """Now (wall clock, s), but strictly after every job already stored: creation order is list order."""
+        now = max(time.time(), self._last_created + 1e-3)
+        self._last_created = now
+        return now
+
+    # -- lifecycle
+    def _handle(self):
+        import ray
+
+        return ray.get_runtime_context().current_actor
+
+    async def recover(self) -> dict:
+        """Apply the restart policy once (see module doc) and purge expired jobs. Returns counts."""
+        if self._recovered:
+            return {"interrupted": 0, "requeued": 0, "expired": 0}
+        self._recovered = True
+        now = time.time()
+        interrupted = self.store.with_status("in_progress")
+        for row in interrupted:
+            self.store.update(row["id"], status="failed", phase=row["phase"], error_code="interrupted",
+                              error_message="the service stopped while this job was running; submit it again",
+                              completed_at=now)
+        queued = self.store.with_status("queued")
+        for row in queued:
+            self._launch(row)
+        expired = [r for r in self.store.with_status("completed") if r["expires_at"] and r["expires_at"] < now]
+        for r in expired:
+            self.store.delete(r["id"])
+        return {"interrupted": len(interrupted), "requeued": len(queued), "expired": len(expired)}
+
+    async def ping(self) -> bool:
+        """Liveness (and the first-contact restart recovery)."""
+        await self.recover()
+        return True
+
+    # -- submit
+    async def create(self, request: dict, image_png: bytes | None = None, extend_from: dict | None = None,
+                     upload: dict | None = None, idempotency_key: str | None = None,
+                     seconds_label: str | None = None) -> dict:
+        """Queue a validated job (``request``: a VideoRequest dict; ``image_png``: image-to-video input).
+
+        Extensions pass ``extend_from`` (from :meth:`extension_source`) or ``upload`` (an uploaded source video:
+        ``{"video": mp4 bytes, "last_frame": float32 (3, H, W) array, "reference": ColorStats dict}``).
+        An ``idempotency_key`` seen before with the same canonical request (:func:`request_hash`) returns that
+        job; with a different request it raises JobError(409, ``idempotency_key_reused``). Raises JobError(429)
+        when ``max_queued`` jobs are unfinished."""
+        await self.recover()
+        digest = request_hash(request, image_png, extend_from, upload, seconds_label)
+        if idempotency_key:
+            prev = self.store.by_key(idempotency_key)
+            if prev is not None:
+                if prev.get("request_hash") not in (None, digest):
+                    raise JobError(409, "this Idempotency-Key was already used with a different request; use a "
+                                        "new key for a new request", "idempotency_key_reused", "Idempotency-Key")
+                return video_object(prev)
+        if self.store.count_active() >= self.cfg.jobs.max_queued:
+            raise JobError(429, f"{self.cfg.jobs.max_queued} video jobs are already queued; retry later",
+                           "queue_full")
+        job_id = "video_" + uuid.uuid4().hex
+        jd = self.store.job_dir(job_id)
+        jd.mkdir(parents=True, exist_ok=True)
+        if image_png is not None:
+            (jd / "input.png").write_bytes(image_png)
+        if upload is not None:
+            import numpy as np
+
+            (jd / "source.mp4").write_bytes(upload["video"])
+            np.save(jd / "source_last_frame.npy", np.asarray(upload["last_frame"], dtype=np.float32))
+            extend_from = {"id": None, "video": str(jd / "source.mp4"), "reference": upload["reference"],
+                           "last_frame": str(jd / "source_last_frame.npy")}
+        if seconds_label is None:
+            from video.request import VideoRequest, seconds_label as label
+
+            planned = VideoRequest.from_dict(request)
+            seconds_label = label(planned.total_frames, planned.fps)
+        params = {"request": request, "image": image_png is not None, "extend": extend_from,
+                  "gpus_per_job": self.cfg.jobs.gpus_per_job}
+        row = self.store.insert(dict(
+            id=job_id, created_at=self._created_at(), model=self.model_id, status="queued", phase="queued",
+            progress=0, clips_total=request["num_clips"], clips_done=0, prompt=request["prompt"],
+            seconds=seconds_label,            size=f"{request['width']}x{request['height']}", params=params, idempotency_key=idempotency_key,
+            request_hash=digest if idempotency_key else None,
+            remixed_from=(extend_from or {}).get("id")))
+        self._launch(row)
+        return video_object(row)
+
+    def _launch(self, row: dict) -> None:
+        import ray
+
+        jobs = self.cfg.jobs
+        task = ray.remote(run_video_job).options(num_gpus=jobs.gpus_per_job, num_cpus=jobs.cpus_per_job,
+                                                 max_retries=0, name=f"video-job-{row['id']}")
+        ref = task.remote(row["id"], self.cfg_json, self.model_dir, str(self.store.job_dir(row["id"])),
+                          row["params"], self._handle())
+        self.refs[row["id"]] = ref
+        self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row["id"], ref))
+
+    async def _watch(self, job_id: str, ref) -> None:
+        import ray
+
+        try:
+            from video.request import seconds_label
+
+            result = await ref
+            now = time.time()
+            self.store.update_if_active(job_id, status="completed", phase="encoding", progress=100,
+                                        seconds=seconds_label(result["frames"], result["fps"]),
+                                        clips_done=self.store.get(job_id)["clips_total"], completed_at=now,
+                                        expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
+                                        worker_finished_at=result["finished"])
+        except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as exc:
+            self.store.update_if_active(job_id, status="failed", error_code="worker_died",
+                                        error_message=f"the job's worker stopped: {type(exc).__name__}",
+                                        completed_at=time.time())
+        except Exception as exc:  # noqa: BLE001 - recorded on the job
+            from services.errors import unwrap
+
+            cause = unwrap(exc)
+            code = getattr(cause, "code", None) or ("invalid_input" if isinstance(cause, ValueError)
+                                                    else "generation_failed")
+            self.store.update_if_active(job_id, status="failed", error_code=str(code),
+                                        error_message=f"{type(cause).__name__}: {cause}"[:2000],
+                                        completed_at=time.time())
+        finally:
+            self.refs.pop(job_id, None)
+            self.watchers.pop(job_id, None)
+
+    # -- reports from job tasks
+    async def started(self, job_id: str, device: str, pid: int) -> None:
+        """From the job task: it runs on ``device`` (its ``CUDA_VISIBLE_DEVICES``, or ``cpu``) in process ``pid``."""
+        self.store.update_if_active(job_id, status="in_progress", phase="denoising", started_at=time.time(),
+                                    device=str(device), worker_pid=int(pid))
+
+    async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
+        """From the job task: phase and integer percent (capped at 99 until the result is stored)."""
+        self.store.update_if_active(job_id, status="in_progress", phase=phase, progress=min(99, int(percent)),
+                                    clips_done=int(clips_done))
+
+    # -- queries
+    def _row(self, job_id: str, param: str = "video_id") -> dict:
+        row = self.store.get(job_id)
+        if row is None:
+            raise JobError(404, f"no video with id {job_id!r}", "video_not_found", param)
+        return row
+
+    async def get(self, job_id: str) -> dict:
+        """The Video object. Raises JobError(404)."""
+        await self.recover()
+        return video_object(self._row(job_id))
+
+    async def record(self, job_id: str) -> dict:
+        """The raw store row (params and device included): for the service and tests."""
+        return self._row(job_id)
+
+    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
+        """A page of Video objects: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
+        await self.recover()
+        try:
+            rows = self.store.list(limit + 1, after, order)
+        except LookupError:
+            raise JobError(404, f"no video {after!r} (after)", "video_not_found", "after") from None
+        data = [video_object(r) for r in rows[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+    async def content(self, job_id: str, variant: str = "video") -> bytes:
+        """MP4 or PNG bytes of a completed job. Raises JobError 404 / 409 (not completed)."""
+        row = self._row(job_id)
+        if row["status"] != "completed":
+            raise JobError(409, f"video {job_id} is {row['status']}, not completed", "video_not_ready")
+        name = {"video": "video.mp4", "thumbnail": "thumbnail.png"}[variant]
+        path = self.store.job_dir(job_id) / name
+        if not path.exists():
+            raise JobError(404, f"the {variant} of {job_id} is no longer stored", "content_missing")
+        return path.read_bytes()
+
+    async def extension_source(self, job_id: str) -> dict:
+        """What an extension of a completed job needs: paths of its MP4 and float last frame, its drift
+        reference, size and fps. Raises JobError 404 / 409 (``param`` ``video``: the request field naming it)."""
+        row = self._row(job_id, "video")
+        if row["status"] != "completed":
+            raise JobError(409, f"video {job_id} is {row['status']}; only completed videos can be extended",
+                           "video_not_ready", "video")
+        jd = self.store.job_dir(job_id)
+        meta = json.loads((jd / "meta.json").read_text())
+        return {"id": job_id, "video": str(jd / "video.mp4"), "last_frame": str(jd / "last_frame.npy"),
+                "reference": meta["reference"], "width": meta["width"], "height": meta["height"],
+                "fps": meta["fps"], "frames": meta["frames"], "seconds": row["seconds"],
+                "params": row["params"]["request"]}
+
+    async def delete(self, job_id: str) -> dict:
+        """Cancel a queued/running job (its worker is killed: the GPU is free at once) and delete its record
+        and files. Raises JobError(404) for unknown (or already deleted) ids."""
+        import ray
+
+        self._row(job_id)
+        ref = self.refs.pop(job_id, None)
+        self.store.update_if_active(job_id, status="cancelled", error_code=None)
+        if ref is not None:
+            ray.cancel(ref, force=True)
+            w = self.watchers.pop(job_id, None)
+            if w is not None:
+                w.cancel()
+        self.store.delete(job_id)
+        return {"id": job_id, "object": "video.deleted", "deleted": True}
+
+    async def queue_length(self) -> int:
+        """Jobs queued or running, as the store has them (the ``chimera_video_queue_length`` gauge)."""
+        return self.store.count_active()
+
+    async def running(self) -> list[str]:
+        """Ids of jobs whose task is queued or running in Ray."""
+        return list(self.refs)
+
+
+def get_manager(engine_cfg: dict, model_dir: str, model_id: str):
+    """The named, detached JobManager actor of this profile (created if missing). Detached: it outlives the
+    Serve replica that created it (jobs keep running through a replica restart)."""
+    import ray
+
+    from video.config import VideoConfig
+
+    jobs = VideoConfig.model_validate(engine_cfg).jobs
+    actor = ray.remote(JobManager).options(name=jobs.actor_name, namespace=jobs.namespace, get_if_exists=True,
+                                           lifetime="detached", num_cpus=0, max_concurrency=64)
+    return actor.remote(engine_cfg, model_dir, model_id)
