@@ -135,6 +135,11 @@ HTTP_CASES = [
      "missing_required_parameter"),
     ("video-extend-unknown-id", "post", "/v1/videos/extensions",
      {"json": {"prompt": "x", "seconds": "4", "video": {"id": "video_nope"}}}, 404, "video_not_found"),
+    # found by tests/test_fuzz_schema.py: a non-string id reached the job store (500 ProgrammingError)
+    ("video-extend-id-object", "post", "/v1/videos/extensions",
+     {"json": {"prompt": "x", "seconds": "4", "video": {"id": {"nested": 1}}}}, 400, "invalid_value"),
+    ("video-extend-id-number", "post", "/v1/videos/extensions",
+     {"json": {"prompt": "x", "seconds": "4", "video": {"id": 7}}}, 400, "invalid_value"),
     ("video-extend-garbage-file", "post", "/v1/videos/extensions",
      {"data": {"prompt": "x", "seconds": "4"}, "files": {"video": ("v.mp4", b"\x00\x00\x00\x18ftypmp42junk",
                                                                     "video/mp4")}}, 415, "unsupported_media_type"),
