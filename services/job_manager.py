@@ -61,6 +61,21 @@ class JobManager:
         self.watchers: dict[str, asyncio.Task] = {}
         self._recovered = False
         self._last_created = self.store.latest_created_at()
+        self._create_lock = asyncio.Lock()  # idempotency check + queue check + insert, as one step
+
+    @staticmethod
+    async def _io(fn, *args: Any, **kwargs: Any) -> Any:
+        """Run blocking store or file work (SQLite, the results directory) in a worker thread, off the actor's
+        event loop, which keeps answering other calls meanwhile."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    @staticmethod
+    def scoped_key(idempotency_key: str, owner: str | None) -> str:
+        """The stored form of an ``Idempotency-Key``: as sent without an owner; with one (an API key id),
+        ``<owner>:<sha256 of the key>``, so two keys never share an idempotency key."""
+        import hashlib
+
+        return idempotency_key if owner is None else f"{owner}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
 
     def _created_at(self) -> float:
         """Now (wall clock, s), but strictly after every job already stored: creation order is list order."""
@@ -80,17 +95,19 @@ class JobManager:
             return {"interrupted": 0, "requeued": 0, "expired": 0}
         self._recovered = True
         now = time.time()
-        interrupted = self.store.with_status("in_progress")
+        interrupted = await self._io(self.store.with_status, "in_progress")
         for row in interrupted:
-            self.store.update(row["id"], status="failed", phase=row["phase"], error_code="interrupted",
-                              error_message="the service stopped while this job was running; submit it again",
-                              completed_at=now)
-        queued = self.store.with_status("queued")
+            await self._io(self.store.update, row["id"], status="failed", phase=row["phase"],
+                           error_code="interrupted",
+                           error_message="the service stopped while this job was running; submit it again",
+                           completed_at=now)
+        queued = await self._io(self.store.with_status, "queued")
         for row in queued:
             self._launch(row)
-        expired = [r for r in self.store.with_status("completed") if r["expires_at"] and r["expires_at"] < now]
+        completed = await self._io(self.store.with_status, "completed")
+        expired = [r for r in completed if r["expires_at"] and r["expires_at"] < now]
         for r in expired:
-            self.store.delete(r["id"])
+            await self._io(self.store.delete, r["id"])
         return {"interrupted": len(interrupted), "requeued": len(queued), "expired": len(expired)}
 
     async def ping(self) -> bool:
@@ -101,36 +118,49 @@ class JobManager:
     # -- submit
     async def create(self, request: dict, image_png: bytes | None = None, extend_from: dict | None = None,
                      upload: dict | None = None, idempotency_key: str | None = None,
-                     seconds_label: str | None = None) -> dict:
+                     seconds_label: str | None = None, owner: str | None = None) -> dict:
         """Queue a validated job (``request``: a VideoRequest dict; ``image_png``: image-to-video input).
 
         Extensions pass ``extend_from`` (from :meth:`extension_source`) or ``upload`` (an uploaded source video:
         ``{"video": mp4 bytes, "last_frame": float32 (3, H, W) array, "reference": ColorStats dict}``).
         An ``idempotency_key`` seen before with the same canonical request (:func:`request_hash`) returns that
         job; with a different request it raises JobError(409, ``idempotency_key_reused``). Raises JobError(429)
-        when ``max_queued`` jobs are unfinished."""
+        when ``max_queued`` jobs are unfinished. ``owner``: the creating API key's id (None without keys); the
+        job is visible to that owner only, and idempotency keys are scoped to it (:meth:`scoped_key`)."""
         await self.recover()
-        digest = request_hash(request, image_png, extend_from, upload, seconds_label)
+        async with self._create_lock:
+            return await self._create(request, image_png, extend_from, upload, idempotency_key, seconds_label,
+                                      owner)
+
+    async def _create(self, request: dict, image_png: bytes | None, extend_from: dict | None, upload: dict | None,
+                      idempotency_key: str | None, seconds_label: str | None, owner: str | None) -> dict:
+        digest = await self._io(request_hash, request, image_png, extend_from, upload, seconds_label)
         if idempotency_key:
-            prev = self.store.by_key(idempotency_key)
+            idempotency_key = self.scoped_key(idempotency_key, owner)
+            prev = await self._io(self.store.by_key, idempotency_key)
             if prev is not None:
                 if prev.get("request_hash") not in (None, digest):
                     raise JobError(409, "this Idempotency-Key was already used with a different request; use a "
                                         "new key for a new request", "idempotency_key_reused", "Idempotency-Key")
                 return video_object(prev)
-        if self.store.count_active() >= self.cfg.jobs.max_queued:
+        if await self._io(self.store.count_active) >= self.cfg.jobs.max_queued:
             raise JobError(429, f"{self.cfg.jobs.max_queued} video jobs are already queued; retry later",
                            "queue_full")
         job_id = "video_" + uuid.uuid4().hex
         jd = self.store.job_dir(job_id)
-        jd.mkdir(parents=True, exist_ok=True)
-        if image_png is not None:
-            (jd / "input.png").write_bytes(image_png)
-        if upload is not None:
-            import numpy as np
 
-            (jd / "source.mp4").write_bytes(upload["video"])
-            np.save(jd / "source_last_frame.npy", np.asarray(upload["last_frame"], dtype=np.float32))
+        def write_inputs() -> None:
+            jd.mkdir(parents=True, exist_ok=True)
+            if image_png is not None:
+                (jd / "input.png").write_bytes(image_png)
+            if upload is not None:
+                import numpy as np
+
+                (jd / "source.mp4").write_bytes(upload["video"])
+                np.save(jd / "source_last_frame.npy", np.asarray(upload["last_frame"], dtype=np.float32))
+
+        await self._io(write_inputs)
+        if upload is not None:
             extend_from = {"id": None, "video": str(jd / "source.mp4"), "reference": upload["reference"],
                            "last_frame": str(jd / "source_last_frame.npy")}
         if seconds_label is None:
@@ -140,12 +170,12 @@ class JobManager:
             seconds_label = label(planned.total_frames, planned.fps)
         params = {"request": request, "image": image_png is not None, "extend": extend_from,
                   "gpus_per_job": self.cfg.jobs.gpus_per_job}
-        row = self.store.insert(dict(
+        row = await self._io(self.store.insert, dict(
             id=job_id, created_at=self._created_at(), model=self.model_id, status="queued", phase="queued",
             progress=0, clips_total=request["num_clips"], clips_done=0, prompt=request["prompt"],
             seconds=seconds_label,            size=f"{request['width']}x{request['height']}", params=params, idempotency_key=idempotency_key,
             request_hash=digest if idempotency_key else None,
-            remixed_from=(extend_from or {}).get("id")))
+            remixed_from=(extend_from or {}).get("id"), owner=owner))
         self._launch(row)
         return video_object(row)
 
@@ -168,24 +198,24 @@ class JobManager:
 
             result = await ref
             now = time.time()
-            self.store.update_if_active(job_id, status="completed", phase="encoding", progress=100,
-                                        seconds=seconds_label(result["frames"], result["fps"]),
-                                        clips_done=self.store.get(job_id)["clips_total"], completed_at=now,
-                                        expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
-                                        worker_finished_at=result["finished"])
+            row = await self._io(self.store.get, job_id)
+            await self._io(self.store.update_if_active, job_id, status="completed", phase="encoding", progress=100,
+                           seconds=seconds_label(result["frames"], result["fps"]),
+                           clips_done=row["clips_total"] if row else 0, completed_at=now,
+                           expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
+                           worker_finished_at=result["finished"])
         except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as exc:
-            self.store.update_if_active(job_id, status="failed", error_code="worker_died",
-                                        error_message=f"the job's worker stopped: {type(exc).__name__}",
-                                        completed_at=time.time())
+            await self._io(self.store.update_if_active, job_id, status="failed", error_code="worker_died",
+                           error_message=f"the job's worker stopped: {type(exc).__name__}",
+                           completed_at=time.time())
         except Exception as exc:  # noqa: BLE001 - recorded on the job
             from services.errors import unwrap
 
             cause = unwrap(exc)
             code = getattr(cause, "code", None) or ("invalid_input" if isinstance(cause, ValueError)
                                                     else "generation_failed")
-            self.store.update_if_active(job_id, status="failed", error_code=str(code),
-                                        error_message=f"{type(cause).__name__}: {cause}"[:2000],
-                                        completed_at=time.time())
+            await self._io(self.store.update_if_active, job_id, status="failed", error_code=str(code),
+                           error_message=f"{type(cause).__name__}: {cause}"[:2000], completed_at=time.time())
         finally:
             self.refs.pop(job_id, None)
             self.watchers.pop(job_id, None)
@@ -193,85 +223,93 @@ class JobManager:
     # -- reports from job tasks
     async def started(self, job_id: str, device: str, pid: int) -> None:
         """From the job task: it runs on ``device`` (its ``CUDA_VISIBLE_DEVICES``, or ``cpu``) in process ``pid``."""
-        self.store.update_if_active(job_id, status="in_progress", phase="denoising", started_at=time.time(),
-                                    device=str(device), worker_pid=int(pid))
+        await self._io(self.store.update_if_active, job_id, status="in_progress", phase="denoising",
+                       started_at=time.time(), device=str(device), worker_pid=int(pid))
 
     async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
         """From the job task: phase and integer percent (capped at 99 until the result is stored)."""
-        self.store.update_if_active(job_id, status="in_progress", phase=phase, progress=min(99, int(percent)),
-                                    clips_done=int(clips_done))
+        await self._io(self.store.update_if_active, job_id, status="in_progress", phase=phase,
+                       progress=min(99, int(percent)), clips_done=int(clips_done))
 
     # -- queries
-    def _row(self, job_id: str, param: str = "video_id") -> dict:
-        row = self.store.get(job_id)
-        if row is None:
+    async def _row(self, job_id: str, param: str = "video_id", owner: str | None = None) -> dict:
+        """The store row of ``job_id``. Raises JobError(404) when there is none, or when ``owner`` is given and
+        the job belongs to someone else (another key's job looks exactly like a missing one)."""
+        row = await self._io(self.store.get, job_id)
+        if row is None or (owner is not None and row.get("owner") != owner):
             raise JobError(404, f"no video with id {job_id!r}", "video_not_found", param)
         return row
 
-    async def get(self, job_id: str) -> dict:
-        """The Video object. Raises JobError(404)."""
+    async def get(self, job_id: str, owner: str | None = None) -> dict:
+        """The Video object. Raises JobError(404) (also for another owner's job)."""
         await self.recover()
-        return video_object(self._row(job_id))
+        return video_object(await self._row(job_id, owner=owner))
 
-    async def record(self, job_id: str) -> dict:
+    async def record(self, job_id: str, owner: str | None = None) -> dict:
         """The raw store row (params and device included): for the service and tests."""
-        return self._row(job_id)
+        return await self._row(job_id, owner=owner)
 
-    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
-        """A page of Video objects: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``."""
+    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
+                   owner: str | None = None) -> dict:
+        """A page of Video objects: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``; with
+        ``owner``, only that owner's jobs."""
         await self.recover()
         try:
-            rows = self.store.list(limit + 1, after, order)
+            rows = await self._io(self.store.list, limit + 1, after, order, owner)
         except LookupError:
             raise JobError(404, f"no video {after!r} (after)", "video_not_found", "after") from None
         data = [video_object(r) for r in rows[:limit]]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
-    async def content(self, job_id: str, variant: str = "video") -> bytes:
-        """MP4 or PNG bytes of a completed job. Raises JobError 404 / 409 (not completed)."""
-        row = self._row(job_id)
+    async def content_path(self, job_id: str, variant: str = "video", owner: str | None = None) -> dict:
+        """Where the MP4 or PNG of a completed job is: ``{"path": absolute path, "size": bytes}``; the ingress
+        streams it from the (shared) results directory, so no file passes through this actor. Raises JobError
+        404 (unknown, another owner's, or the file is gone: ``content_missing``) / 409 (not completed)."""
+        row = await self._row(job_id, owner=owner)
         if row["status"] != "completed":
             raise JobError(409, f"video {job_id} is {row['status']}, not completed", "video_not_ready")
         name = {"video": "video.mp4", "thumbnail": "thumbnail.png"}[variant]
-        path = self.store.job_dir(job_id) / name
-        if not path.exists():
-            raise JobError(404, f"the {variant} of {job_id} is no longer stored", "content_missing")
-        return path.read_bytes()
+        path = (self.store.job_dir(job_id) / name).resolve()
+        try:
+            size = (await self._io(path.stat)).st_size
+        except FileNotFoundError:
+            raise JobError(404, f"the {variant} of {job_id} is no longer stored", "content_missing") from None
+        return {"path": str(path), "size": int(size)}
 
-    async def extension_source(self, job_id: str) -> dict:
+    async def extension_source(self, job_id: str, owner: str | None = None) -> dict:
         """What an extension of a completed job needs: paths of its MP4 and float last frame, its drift
         reference, size and fps. Raises JobError 404 / 409 (``param`` ``video``: the request field naming it)."""
-        row = self._row(job_id, "video")
+        row = await self._row(job_id, "video", owner)
         if row["status"] != "completed":
             raise JobError(409, f"video {job_id} is {row['status']}; only completed videos can be extended",
                            "video_not_ready", "video")
         jd = self.store.job_dir(job_id)
-        meta = json.loads((jd / "meta.json").read_text())
+        meta = json.loads(await self._io((jd / "meta.json").read_text))
         return {"id": job_id, "video": str(jd / "video.mp4"), "last_frame": str(jd / "last_frame.npy"),
                 "reference": meta["reference"], "width": meta["width"], "height": meta["height"],
                 "fps": meta["fps"], "frames": meta["frames"], "seconds": row["seconds"],
                 "params": row["params"]["request"]}
 
-    async def delete(self, job_id: str) -> dict:
+    async def delete(self, job_id: str, owner: str | None = None) -> dict:
         """Cancel a queued/running job (its worker is killed: the GPU is free at once) and delete its record
-        and files. Raises JobError(404) for unknown (or already deleted) ids."""
+        and files. Raises JobError(404) for unknown (or already deleted, or another owner's) ids."""
         import ray
 
-        self._row(job_id)
+        await self._row(job_id, owner=owner)
         ref = self.refs.pop(job_id, None)
-        self.store.update_if_active(job_id, status="cancelled", error_code=None)
+        await self._io(self.store.update_if_active, job_id, status="cancelled", error_code=None)
         if ref is not None:
             ray.cancel(ref, force=True)
             w = self.watchers.pop(job_id, None)
             if w is not None:
                 w.cancel()
-        self.store.delete(job_id)
+        await self._io(self.store.delete, job_id)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
     async def queue_length(self) -> int:
         """Jobs queued or running, as the store has them (the ``chimera_video_queue_length`` gauge)."""
-        return self.store.count_active()
+        return await self._io(self.store.count_active)
 
     async def running(self) -> list[str]:
         """Ids of jobs whose task is queued or running in Ray."""

@@ -64,6 +64,7 @@ class JobStore:
             sa.Column("worker_started_at", sa.Float, nullable=True),
             sa.Column("worker_finished_at", sa.Float, nullable=True),
             sa.Column("remixed_from", sa.String(64), nullable=True),
+            sa.Column("owner", sa.String(32), nullable=True, index=True),  # the creating API key's id, or None
         )
         self.meta.create_all(self.engine)
         self._add_missing_columns()
@@ -120,15 +121,16 @@ class JobStore:
             c.execute(self.table.delete().where(self.table.c.id == job_id))
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
 
-    def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> list[dict]:
-        """Jobs newest first (``order="asc"``: oldest first), starting after the job ``after``. Raises
-        LookupError when ``after`` names no stored job."""
+    def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
+             owner: str | None = None) -> list[dict]:
+        """Jobs newest first (``order="asc"``: oldest first), starting after the job ``after``; with ``owner``,
+        only that owner's. Raises LookupError when ``after`` names no stored job (of that owner)."""
         t = self.table
-        q = t.select()
+        q = t.select() if owner is None else t.select().where(t.c.owner == owner)
         desc = order != "asc"
         if after is not None:
             ref = self.get(after)
-            if ref is None:
+            if ref is None or (owner is not None and ref["owner"] != owner):
                 raise LookupError(after)
             c, i = ref["created_at"], ref["id"]
             q = q.where(sa.or_(t.c.created_at < c, sa.and_(t.c.created_at == c, t.c.id < i)) if desc

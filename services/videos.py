@@ -23,10 +23,11 @@ import functools
 import io
 import json
 import logging
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartParser
 
@@ -95,9 +96,11 @@ class Deployment:
         return bool(await self._call("ping"))
 
     @_input_errors_as_events
-    async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None) -> dict:
+    async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None,
+                     owner: str | None = None) -> dict:
         """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (any format
-        Pillow reads; stored as PNG). Returns the Video object (status ``queued``)."""
+        Pillow reads; stored as PNG). ``owner``: the creating API key's id (None: no keys configured). Returns
+        the Video object (status ``queued``)."""
         from video.media import load_image
         from video.request import plan_request, seconds_label
 
@@ -113,16 +116,17 @@ class Deployment:
 
             png = await asyncio.to_thread(to_png)
         return await self._call("create", req.to_dict(), image_png=png, idempotency_key=idempotency_key,
-                                seconds_label=seconds_label(req.total_frames, req.fps))
+                                seconds_label=seconds_label(req.total_frames, req.fps), owner=owner)
 
     @_input_errors_as_events
     async def extend(self, fields: dict, video_id: str | None = None, video: bytes | None = None,
-                     idempotency_key: str | None = None) -> dict:
+                     idempotency_key: str | None = None, owner: str | None = None) -> dict:
         """Queue an extension of a completed video (``video_id``) or of an uploaded video file (``video``):
         its first clip starts from the source's last frame; the result is the source with the extension
         appended. ``fields``: ``prompt``, ``seconds`` (the added length) and optional generation fields
         (:data:`_EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
-        ``seconds`` is the whole joined video's duration (source frames + added frames) / fps."""
+        ``seconds`` is the whole joined video's duration (source frames + added frames) / fps. ``owner``: the
+        API key's id; a source video of another owner is 404."""
         from video.drift import color_stats
         from video.media import MediaError, decode_video, probe_video
         from video.request import RequestError, plan_request, seconds_label
@@ -134,14 +138,14 @@ class Deployment:
                 raise RequestError(f"{name} is not supported on a video extension{kept}", str(name),
                                    "unsupported_parameter")
         if video_id is not None:
-            src = await self._call("extension_source", video_id)
+            src = await self._call("extension_source", video_id, owner=owner)
             base = {k: src["params"][k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt")}
             base.update(width=src["width"], height=src["height"], fps=src["fps"],
                         num_frames=src["params"]["frames_per_clip"])
             req = plan_request(self.cfg, {**base, **fields}, continuation=True)
             total = int(src["frames"]) + req.total_frames
             return await self._call("create", req.to_dict(), extend_from=src, idempotency_key=idempotency_key,
-                                    seconds_label=seconds_label(total, req.fps))
+                                    seconds_label=seconds_label(total, req.fps), owner=owner)
         if video is None:
             raise RequestError("video is required: {\"id\": <completed video id>} or a video file", "video",
                                "missing_required_parameter")
@@ -167,27 +171,31 @@ class Deployment:
         req, n_frames, upload = await asyncio.to_thread(prepare)
         total = n_frames + req.total_frames
         return await self._call("create", req.to_dict(), upload=upload, idempotency_key=idempotency_key,
-                                seconds_label=seconds_label(total, req.fps))
+                                seconds_label=seconds_label(total, req.fps), owner=owner)
 
     @_input_errors_as_events
-    async def get(self, video_id: str) -> dict:
-        """The Video object (404 if unknown)."""
-        return await self._call("get", video_id)
+    async def get(self, video_id: str, owner: str | None = None) -> dict:
+        """The Video object (404 if unknown, or another owner's)."""
+        return await self._call("get", video_id, owner=owner)
 
     @_input_errors_as_events
-    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc") -> dict:
-        """Videos newest first (cursor ``after``)."""
-        return await self._call("list", limit, after, order)
+    async def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
+                   owner: str | None = None) -> dict:
+        """Videos newest first (cursor ``after``); with ``owner``, only that key's."""
+        return await self._call("list", limit, after, order, owner=owner)
 
     @_input_errors_as_events
-    async def content(self, video_id: str, variant: str = "video") -> bytes | dict:
-        """MP4 or PNG bytes (an error event: 404 unknown, 409 unless completed)."""
-        return await self._call("content", video_id, variant)
+    async def content(self, video_id: str, variant: str = "video", owner: str | None = None) -> dict:
+        """Where the MP4 or PNG is: ``{"path": str, "size": int}`` in the shared results directory (the ingress
+        streams the file itself; no bytes pass through Ray). An error event: 404 unknown or another owner's,
+        409 unless completed."""
+        return await self._call("content_path", video_id, variant, owner=owner)
 
     @_input_errors_as_events
-    async def delete(self, video_id: str) -> dict:
-        """Cancel (freeing its worker) and delete a job and its files (404 if unknown or already deleted)."""
-        return await self._call("delete", video_id)
+    async def delete(self, video_id: str, owner: str | None = None) -> dict:
+        """Cancel (freeing its worker) and delete a job and its files (404 if unknown, already deleted or
+        another owner's)."""
+        return await self._call("delete", video_id, owner=owner)
 
     @_input_errors_as_events
     async def record(self, video_id: str) -> dict:
@@ -317,6 +325,30 @@ def _data_url_bytes(url: str, param: str) -> bytes:
         raise APIError(400, f"{param}: invalid base64 data", param=param, code="invalid_image_url") from None
 
 
+def check_range(header: str, size: int) -> None:
+    """Check an HTTP ``Range`` header against a file of ``size`` bytes before it is served (RFC 9110: ``bytes=``
+    then comma-separated ``first-last``, ``first-`` or ``-suffix``). Raises APIError 416
+    ``range_not_satisfiable`` (``Content-Range: bytes */size``) for another unit, a malformed spec, a range
+    whose first byte is at or past the end, last < first, or a zero suffix."""
+    def bad() -> APIError:
+        return APIError(416, f"Range {header[:100]!r} cannot be satisfied by a file of {size} bytes",
+                        param="Range", code="range_not_satisfiable", headers={"Content-Range": f"bytes */{size}"})
+
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or not spec.strip():
+        raise bad()
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not dash or not (first.isdigit() or last.isdigit()) or (first and not first.isdigit()) \
+                or (last and not last.isdigit()):
+            raise bad()
+        if not first:
+            if int(last) == 0:
+                raise bad()
+        elif int(first) >= size or (last and int(last) < int(first)):
+            raise bad()
+
+
 def _observe(obj: dict, seen: set) -> dict:
     if obj.get("status") in _TERMINAL and obj["id"] not in seen and obj.get("completed_at"):
         seen.add(obj["id"])
@@ -336,9 +368,9 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         """The backend, with every error (raised, or returned as an ``error`` event) turned into an APIError
         here (4xx answered by the APIError handler)."""
 
-        async def call(self, method: str, *args: Any) -> Any:
+        async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
             try:
-                out = await raw_backend.call(method, *args)
+                out = await raw_backend.call(method, *args, **kwargs)
                 if isinstance(out, dict):
                     raise_if_error_event(out)
                 return out
@@ -356,6 +388,10 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
             raise APIError(400, "Idempotency-Key must be 1-256 characters", param="Idempotency-Key",
                            code="invalid_idempotency_key")
         return k
+
+    def owner_of(request: Request) -> str | None:
+        """The API key id of the request (None when no keys are configured): the owner of its jobs."""
+        return getattr(request.state, "key_id", None)
 
     async def refresh_queue() -> None:
         """Set the queue-length gauge from the job store's count (run before every /metrics scrape)."""
@@ -392,7 +428,7 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         if files:
             raise APIError(400, f"unexpected file field(s): {', '.join(files)}", param=next(iter(files)),
                            code="unexpected_file")
-        obj = await backend.call("create", fields, image, key_of(request))
+        obj = await backend.call("create", fields, image, key_of(request), owner=owner_of(request))
         metrics.VIDEO_JOBS.inc()
         await refresh_queue_quietly()
         return obj
@@ -421,48 +457,59 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         if video_id is None and data is None:
             raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video",
                            code="missing_required_parameter")
-        obj = await backend.call("extend", fields, video_id, data if video_id is None else None, key_of(request))
+        obj = await backend.call("extend", fields, video_id, data if video_id is None else None, key_of(request),
+                                 owner=owner_of(request))
         metrics.VIDEO_JOBS.inc()
         await refresh_queue_quietly()
         return obj
 
     @router.get("/v1/videos")
-    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc"):
+    async def list_videos(request: Request, limit: int = 20, after: str | None = None, order: str = "desc"):
         """Videos, newest first (``order=asc`` oldest first); ``after`` is the last id of the previous page."""
         if not 1 <= limit <= 100:
             raise APIError(400, "limit must be between 1 and 100", param="limit", code="invalid_value")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
-        page = await backend.call("list", limit, after, order)
+        page = await backend.call("list", limit, after, order, owner=owner_of(request))
         for v in page["data"]:
             _observe(v, seen)
         return page
 
     @router.get("/v1/videos/{video_id}")
-    async def get_video(video_id: str):
+    async def get_video(request: Request, video_id: str):
         """One video job (``openai-poll-after-ms`` tells the SDK's ``poll`` how often to ask)."""
         finished = len(seen)
-        obj = _observe(await backend.call("get", video_id), seen)
+        obj = _observe(await backend.call("get", video_id, owner=owner_of(request)), seen)
         if len(seen) != finished:  # a job just seen finished: the queue is shorter
             await refresh_queue_quietly()
         return JSONResponse(obj, headers={"openai-poll-after-ms": "500"})
 
     @router.get("/v1/videos/{video_id}/content")
-    async def video_content(video_id: str, variant: str = "video"):
-        """The MP4 (``variant=video``) or PNG thumbnail (``variant=thumbnail``); 409 until completed."""
+    async def video_content(request: Request, video_id: str, variant: str = "video"):
+        """The MP4 (``variant=video``) or PNG thumbnail (``variant=thumbnail``); 409 until completed. Streamed
+        from the results directory; a ``Range`` header gets 206 with ``Content-Range`` (several ranges:
+        multipart/byteranges), one that the file cannot satisfy 416 ``range_not_satisfiable``."""
         if variant not in ("video", "thumbnail"):
             raise APIError(400, f"variant {variant!r} is not supported (video | thumbnail)", param="variant",
                            code="invalid_value")
-        data = await backend.call("content", video_id, variant)
+        where = await backend.call("content", video_id, variant, owner=owner_of(request))
+        path = where["path"]
+        try:
+            size = (await asyncio.to_thread(os.stat, path)).st_size
+        except FileNotFoundError:  # deleted between the manager's answer and now
+            raise APIError(404, f"the {variant} of {video_id} is no longer stored", param="video_id",
+                           code="content_missing") from None
+        if request.headers.get("range") is not None:
+            check_range(request.headers["range"], size)
         media = "video/mp4" if variant == "video" else "image/png"
         ext = "mp4" if variant == "video" else "png"
-        return Response(data, media_type=media,
-                        headers={"Content-Disposition": f'attachment; filename="{video_id}.{ext}"'})
+        return FileResponse(path, media_type=media, filename=f"{video_id}.{ext}",
+                            content_disposition_type="attachment")
 
     @router.delete("/v1/videos/{video_id}")
-    async def delete_video(video_id: str):
+    async def delete_video(request: Request, video_id: str):
         """Cancel (if queued or running; its GPU is freed) and delete the job and its files."""
-        out = await backend.call("delete", video_id)
+        out = await backend.call("delete", video_id, owner=owner_of(request))
         await refresh_queue_quietly()
         return JSONResponse(out)
 

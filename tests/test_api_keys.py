@@ -127,3 +127,124 @@ def test_openai_sdk_gets_401_authentication_error(monkeypatch, profile):
         return [m.id async for m in right.models.list()]
 
     assert _run(app, go) == ["chimera-vlm"]
+
+
+class _Files:
+    """A stand-in video deployment answering ``content`` with a file's path (as the job manager does) and
+    recording the owner each call carried."""
+
+    def __init__(self, path):
+        self.path, self.owners = str(path), []
+
+    async def ready(self):
+        return True
+
+    async def queue_length(self):
+        return 0
+
+    async def content(self, video_id, variant="video", owner=None):
+        self.owners.append(owner)
+        if video_id != "video_a":
+            return {"type": "error", "status": 404, "message": "no such video", "param": "video_id",
+                    "code": "video_not_found"}
+        return {"path": self.path, "size": 0}
+
+
+def test_download_streams_the_file_with_ranges(monkeypatch, tmp_path, profile):
+    """``GET /v1/videos/{id}/content`` serves the file at the path the manager names: whole (200, exact bytes,
+    ``Accept-Ranges``), ``bytes=10-19`` (206, those 10 bytes, ``Content-Range: bytes 10-19/1000``), a suffix
+    ``bytes=-5`` (the last 5), and ranges it cannot satisfy (past the end, malformed, another unit): 416
+    ``range_not_satisfiable`` in the OpenAI error shape with ``Content-Range: bytes */1000``. The request's key
+    id reaches the deployment as the owner."""
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    blob = bytes(range(256)) * 3 + bytes(232)
+    assert len(blob) == 1000
+    f = tmp_path / "video.mp4"
+    f.write_bytes(blob)
+    dep = _Files(f)
+    data = profile.model_dump(mode="json")
+    data["vlm"] = data["tts"] = None
+    data["server"]["api_keys"] = ["sk-a"]
+    app = build_app(parse_profile(data), {"video": LocalBackend(dep)})
+    auth = {"Authorization": "Bearer sk-a"}
+
+    async def go(c):
+        url = "/v1/videos/video_a/content"
+        r = await c.get(url, headers=auth)
+        assert r.status_code == 200 and r.content == blob and r.headers["content-type"] == "video/mp4"
+        assert r.headers["accept-ranges"] == "bytes"
+        assert r.headers["content-disposition"] == 'attachment; filename="video_a.mp4"'
+        r = await c.get(url, headers={**auth, "Range": "bytes=10-19"})
+        assert r.status_code == 206 and r.content == blob[10:20]
+        assert r.headers["content-range"] == "bytes 10-19/1000"
+        r = await c.get(url, headers={**auth, "Range": "bytes=-5"})
+        assert r.status_code == 206 and r.content == blob[-5:]
+        for bad in ("bytes=1000-", "bytes=5-2", "bytes=abc", "items=0-1", "bytes=-0", "bytes="):
+            r = await c.get(url, headers={**auth, "Range": bad})
+            assert r.status_code == 416, bad
+            assert r.json()["error"]["code"] == "range_not_satisfiable"
+            assert r.headers["content-range"] == "bytes */1000"
+        r = await c.get("/v1/videos/video_b/content", headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "video_not_found"
+        assert (await c.get(url)).status_code == 401
+
+    _run(app, go)
+    assert dep.owners == [key_id("sk-a")] * 10
+
+
+def _manager(tmp_path, profile):
+    """A JobManager (the class, no Ray) on a store in ``tmp_path``; its job launcher is a scripted no-op (these
+    tests are about ownership, not generation)."""
+    from services.job_manager import JobManager
+
+    cfg = profile.video.engine.model_dump(mode="json")
+    cfg["jobs"]["store_url"] = f"sqlite:///{tmp_path}/jobs.sqlite"
+    cfg["jobs"]["results_dir"] = str(tmp_path / "results")
+    m = JobManager(cfg, str(tmp_path), "chimera-video")
+    m._launch = lambda row: None
+    return m
+
+
+def test_each_job_belongs_to_the_key_that_made_it(tmp_path, profile):
+    """Key A's job is 404 ``video_not_found`` for key B on get, list (and as a list cursor), content, extension
+    source and delete, and stays there after B's delete; A sees it; without keys (owner None) every job is
+    visible. Idempotency keys are per key: A and B sending the same key get two jobs, A resending gets its own
+    one back. The store holds the key id, never the key."""
+    from services.job_manager import JobError
+    from video.request import plan_request
+
+    m = _manager(tmp_path, profile)
+    a, b = key_id("sk-owner-a"), key_id("sk-owner-b")
+    req = plan_request(profile.video.engine, {"prompt": "a cat"}).to_dict()
+
+    async def go():
+        ja = await m.create(req, idempotency_key="same", owner=a)
+        jb = await m.create(req, idempotency_key="same", owner=b)
+        assert ja["id"] != jb["id"]
+        assert (await m.create(req, idempotency_key="same", owner=a))["id"] == ja["id"]
+        m.store.update(ja["id"], status="completed", completed_at=1.0, expires_at=4e9)
+        jd = m.store.job_dir(ja["id"])
+        (jd / "video.mp4").write_bytes(b"\0" * 1234)
+        (jd / "meta.json").write_text('{"reference": {}, "width": 64, "height": 64, "fps": 8, "frames": 9}')
+        for call in (m.get(ja["id"], owner=b), m.content_path(ja["id"], owner=b), m.delete(ja["id"], owner=b),
+                     m.extension_source(ja["id"], owner=b), m.list(after=ja["id"], owner=b)):
+            with pytest.raises(JobError) as info:
+                await call
+            assert (info.value.status_code, info.value.code) == (404, "video_not_found")
+        assert (await m.get(ja["id"], owner=a))["id"] == ja["id"]
+        assert [v["id"] for v in (await m.list(owner=a))["data"]] == [ja["id"]]
+        assert [v["id"] for v in (await m.list(owner=b))["data"]] == [jb["id"]]
+        assert {v["id"] for v in (await m.list())["data"]} == {ja["id"], jb["id"]}  # no keys: open
+        where = await m.content_path(ja["id"], owner=a)
+        assert where == {"path": str((jd / "video.mp4").resolve()), "size": 1234}
+        assert (await m.extension_source(ja["id"], owner=a))["width"] == 64
+        assert (await m.delete(ja["id"], owner=a))["deleted"] is True
+        with pytest.raises(JobError):
+            await m.get(ja["id"])
+        return jb
+
+    jb = asyncio.run(go())
+    row = m.store.get(jb["id"])
+    assert row["owner"] == b and row["idempotency_key"] != "same" and row["idempotency_key"].startswith(b + ":")
+    m.store.engine.dispose()
+    assert b"sk-owner" not in b"".join(p.read_bytes() for p in tmp_path.glob("jobs.sqlite*"))
