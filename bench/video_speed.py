@@ -8,9 +8,10 @@ A. Per job on the cpu profile (in-process engine, its small random-weight Wan2.2
 B. Denoising steps of a real-width Wan2.1-T2V-1.3B transformer (dim 1536 = 12 heads x 128, FFN 8960, text dim
    4096; random weights, --layers of its 30 blocks) on a latent grid --grid (default 21x30x52 = 32,760 tokens:
    480x832, 81 frames, on CUDA; the CPU default is 960 tokens, see --grid): a flow-matching Euler loop of --steps
-   steps, one transformer call a step (no guidance: it would double every row but the distilled one alike), mean time per
-   job. MagCache ratios are calibrated on this random model first (video.cache.calibrate_mag_ratios). Caches skip
-   by what they see in random weights, so their speed-ups here show the mechanism's cost, not a quality setting.
+   steps, one transformer call a step (no guidance: it would double every row but the distilled one alike),
+   median time per job. MagCache ratios are calibrated on this random model first
+   (video.cache.calibrate_mag_ratios). Caches skip by what they see in random weights, so their speed-ups here
+   show the mechanism's cost, not a quality setting.
 
     .venv/bin/python bench/video_speed.py          # CPU: A (8 steps), then B at 5x12x16 tokens, 2 layers, 6 steps
     .venv/bin/python bench/video_speed.py --device cuda --fast-steps 4   # B at 480p tokens, 30 layers, 50 steps
