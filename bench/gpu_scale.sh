@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# bench/gpu_checks.py scale: real-size random-weight Wan2.1-1.3B / Orpheus 3B / MoonViT + GLM-4-9B on one GPU (< 10 min), one table.
+# --dry-run checks it on the CPU in seconds (imports, configs, meta-device shapes); without CUDA and without
+# --dry-run it prints a note and exits 0. Usage: bash bench/gpu_scale.sh [--dry-run] [options of bench/gpu_checks.py]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+exec "$PY" bench/gpu_checks.py scale "$@"

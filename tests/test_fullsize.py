@@ -1,0 +1,77 @@
+"""Real-size configs and the GPU scripts, checked on the CPU (no GPU, no network).
+
+- configs/fullsize/*.json: each names its published source, and the real architectures built from them on the
+  meta device have their published sizes (MoonViT ~417M, GLM-4-9B 9.4B, Orpheus 3B 3.3B, Wan2.1-1.3B 1.42B
+  parameters), so a mistyped width cannot pass.
+- bench/gpu_check.sh and bench/gpu_scale.sh run with --dry-run (imports, argument parsing, profile and configs,
+  meta-device shapes) so they cannot rot; make smoke-fullsize itself runs outside make test (minutes).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.smoke_fullsize import FULLSIZE, fullsize_config  # noqa: E402
+
+
+def test_every_fullsize_config_cites_its_source():
+    files = sorted(FULLSIZE.glob("*.json"))
+    assert {f.stem for f in files} >= {"moonvit", "glm4_9b_0414", "umt5_xxl", "wan22_ti2v_5b_transformer",
+                                        "wan22_vae", "wan21_t2v_1_3b_transformer", "wan21_vae", "orpheus_3b",
+                                        "snac_24khz"}
+    for f in files:
+        raw = json.loads(f.read_text())
+        assert "config.json" in raw["_source"] and raw["_class"], f.name
+        assert not any(k.startswith("_") for k in fullsize_config(f.stem))
+
+
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_meta_models_have_the_published_sizes():
+    from diffusers import WanTransformer3DModel
+    from transformers import Glm4Config, Glm4ForCausalLM, Kimi_K25VisionConfig, Kimi_K25VisionModel
+    from transformers import LlamaConfig, LlamaForCausalLM, UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        glm = Glm4ForCausalLM(Glm4Config(**fullsize_config("glm4_9b_0414")))
+        vit = Kimi_K25VisionModel(Kimi_K25VisionConfig(**fullsize_config("moonvit")))
+        orpheus = LlamaForCausalLM(LlamaConfig(**fullsize_config("orpheus_3b")))
+        wan21 = WanTransformer3DModel(**fullsize_config("wan21_t2v_1_3b_transformer"))
+        wan22 = WanTransformer3DModel(**fullsize_config("wan22_ti2v_5b_transformer"))
+        umt5 = UMT5EncoderModel(UMT5Config(**fullsize_config("umt5_xxl")))
+    # published totals (model cards), to the rounding they are quoted at
+    assert round(_params(glm) / 1e9, 1) == 9.4
+    assert round(_params(vit) / 1e6) in range(410, 425)  # "~417M" (grafting/tower.py)
+    assert round(_params(orpheus) / 1e9, 1) == 3.3  # Llama-3.2-3B 3.21B + 28,684 extra embedding rows
+    assert round(_params(wan21) / 1e9, 1) == 1.4  # "1.3B": 1.42B with embeddings
+    assert round(_params(wan22) / 1e9) == 5  # "5B"
+    assert round(_params(umt5) / 1e9, 1) == 5.7  # UMT5-XXL encoder
+    assert glm.lm_head.weight.shape == (151552, 4096) and vit.config.hidden_size == 1152
+
+
+@pytest.mark.parametrize("script,expect", [
+    ("gpu_check.sh", ["gpu_check --dry-run", "cpu profile"]),
+    ("gpu_scale.sh", ["gpu_scale --dry-run", "Wan2.1-1.3B transformer", "(21, 30, 52) = 32760 tokens",
+                      "296 blocks", "GLM-4-9B-0414", "9.40B params", "Orpheus 3B LM", "MoonViT tower"]),
+])
+def test_gpu_scripts_dry_run(script, expect):
+    proc = subprocess.run(["bash", str(ROOT / "bench" / script), "--dry-run"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for text in expect:
+        assert text in proc.stdout, proc.stdout
+
+
+def test_gpu_scripts_reject_a_bad_argument():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "scale", "--keep", "x",
+                           "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "invalid float value" in proc.stderr
