@@ -6,7 +6,7 @@ This module reads those configs, places the deployments on GPUs and adds up what
 
 - architecture configs come from the checkpoint directory when it is local (fetched by ``chimera prepare`` into
   ``<model_dir>/<org>/<name>``), else from ``configs/published/<org>/<name>`` (the published ``config.json`` files);
-- placement: replicas in profile order (vlm, tts), first fit, as Ray hands out whole GPUs for ``num_gpus >= 1``
+- placement: replicas in profile order (vlm, video front, tts), first fit, as Ray hands out whole GPUs for ``num_gpus >= 1``
   and packs fractions; the video jobs (``jobs.gpus_per_job``) then take every GPU left, one job per GPU share;
 - each process on a GPU gets :data:`CUDA_CONTEXT_BYTES` (CUDA context and allocator slack: an allowance);
 - with vLLM, the LLM's GPUs each give vLLM ``gpu_memory_utilization`` of their memory (vLLM's default 0.9 when
@@ -160,7 +160,7 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
     as many as the deployments ask for plus one for video jobs) and add up each GPU. Raises PlanError when an
     architecture config is missing."""
     model_dir = profile.resolved_model_dir()
-    asks = [(fam, s) for fam, s in profile.families().items() if fam != "video" and _on_gpu(s)]
+    asks = [(fam, s) for fam, s in profile.families().items() if _on_gpu(s)]
     jobs = profile.video.engine.jobs.gpus_per_job if profile.video is not None else 0
     if n_gpus is None:
         n_gpus = int(profile.ray.num_gpus) if profile.ray.num_gpus is not None else \
@@ -173,8 +173,13 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
             if got is None:
                 problems.append(f"{fam}[{r}] needs {s.deployment.num_gpus:g} GPUs; not enough free of {n_gpus}")
                 continue
-            placements.append(_vlm(profile, model_dir, got, gpu_bytes, f"{fam}[{r}]") if fam == "vlm"
-                              else _tts(profile, model_dir, got, f"{fam}[{r}]"))
+            owner = f"{fam}[{r}]"
+            if fam == "vlm":
+                placements.append(_vlm(profile, model_dir, got, gpu_bytes, owner))
+            elif fam == "tts":
+                placements.append(_tts(profile, model_dir, got, owner))
+            else:  # the video front loads no model (its jobs do): only its process
+                placements.append(Placement(owner, got, first=[_ctx()]))
     if jobs > 0:
         k = 0
         while (got := pool.take(jobs)) is not None:
@@ -214,7 +219,7 @@ def format_plan(p: MemoryPlan, name: str) -> str:
 def uses_gpus(profile: Profile) -> bool:
     """True when a deployment or the video jobs ask Ray for GPUs."""
     fams = profile.families()
-    return any(_on_gpu(s) for f, s in fams.items() if f != "video") or \
+    return any(_on_gpu(s) for s in fams.values()) or \
         ("video" in fams and profile.video.engine.jobs.gpus_per_job > 0)
 
 

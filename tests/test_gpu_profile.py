@@ -12,7 +12,7 @@ from transformers import Kimi_K25VisionModel
 
 from grafting.projector import GraftProjector, GraftProjectorConfig
 from grafting.tower import build_tower_config
-from services.profiles import CONFIG_DIR, load_profile
+from services.profiles import CONFIG_DIR, load_profile, parse_profile
 
 CONFIG_PUBLISHED = CONFIG_DIR / "published"
 
@@ -207,3 +207,14 @@ def test_a_fetched_checkpoint_config_is_used_before_the_published_one(tmp_path, 
     w = float(re.search(r"llm weights (\d+\.\d\d) GiB", note).group(1))
     w_ref = float(re.search(r"llm weights (\d+\.\d\d) GiB", ref_note).group(1))
     assert w_ref == 8.75 and 4.5 < w < 5.5  # 20 of 40 layers plus the unchanged embeddings and head
+
+
+def test_gpus_taken_by_replicas_leave_none_for_video_jobs():
+    from services.memory_plan import plan, uses_gpus
+
+    data = load_profile("gpu").model_dump(mode="json")
+    data["video"]["deployment"]["num_gpus"] = 1  # the video front would hold a GPU of its own
+    p = plan(parse_profile(data), 80 * GB)
+    assert {pl.owner: pl.gpus for pl in p.placements} == {"vlm[0]": [0, 1], "video[0]": [2], "tts[0]": [3]}
+    assert p.problems == ["no GPU left for a video job (1 GPUs each) on 4 GPUs"]
+    assert not uses_gpus(load_profile("cpu")) and uses_gpus(load_profile("gpu"))
