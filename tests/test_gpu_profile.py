@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 from accelerate import init_empty_weights
 from transformers import Kimi_K25VisionModel
 
@@ -218,3 +219,27 @@ def test_gpus_taken_by_replicas_leave_none_for_video_jobs():
     assert {pl.owner: pl.gpus for pl in p.placements} == {"vlm[0]": [0, 1], "video[0]": [2], "tts[0]": [3]}
     assert p.problems == ["no GPU left for a video job (1 GPUs each) on 4 GPUs"]
     assert not uses_gpus(load_profile("cpu")) and uses_gpus(load_profile("gpu"))
+
+
+def test_kv_formula_equals_the_cache_transformers_really_allocates():
+    """The KV bytes per token of the plan == the bytes of the cache a real forward pass fills, for Orpheus's and
+    GLM-4's attention geometry (real head counts, head_dim and hidden size; 2 layers, a 256-wide MLP and a 1000-token
+    vocabulary keep it small: none of those enters the per-layer cache)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grafting.memory import kv_bytes_per_token, read_config
+    from services.memory_plan import PUBLISHED
+
+    for repo in ("canopylabs/orpheus-3b-0.1-ft", "THUDM/GLM-4-9B-0414"):
+        cfg = {**read_config(PUBLISHED / repo), "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 256}
+        cfg.pop("architectures")
+        cfg.update(pad_token_id=0, eos_token_id=1)  # ids inside the small vocabulary
+        hf = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf).eval()
+        tokens = 7
+        with torch.no_grad():
+            cache = model(torch.arange(tokens)[None], use_cache=True).past_key_values
+        got = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        b = next(model.parameters()).element_size()  # the config's torch_dtype, bfloat16: 2 bytes
+        assert b == 2 and got == kv_bytes_per_token({**cfg, "num_hidden_layers": 2}, b) * tokens, repo
