@@ -365,6 +365,7 @@ function track(job) {
     if (video.current !== job.id) return;
     try {
       const j = await (await api(`/v1/videos/${job.id}`)).json();
+      if (video.current !== job.id) return; // another job was chosen, or this one deleted, meanwhile
       showProgress(j);
       if (j.status === "completed") {
         await play(j.id);
@@ -449,13 +450,14 @@ async function refreshJobs() {
 }
 
 async function removeJob(id) {
+  const current = video.current === id;
+  if (current) {
+    clearTimeout(video.timer);
+    video.current = null; // a poll still in flight ignores its answer
+  }
   try {
-    if (video.current === id) clearTimeout(video.timer);
     await api(`/v1/videos/${id}`, { method: "DELETE" });
-    if (video.current === id) {
-      video.current = null;
-      $("video-progress-text").textContent = `${id}: deleted`;
-    }
+    if (current) $("video-progress-text").textContent = `${id}: deleted`;
   } catch (err) {
     showError("video-error", err);
   }
