@@ -207,7 +207,7 @@ def orpheus_tts(device: str, dry_run: bool, streams: tuple[int, ...]) -> list[tu
     if dry_run:
         return rows
     cfg = profile.tts.engine.model_copy(update={"device": device, "dtype": "bfloat16", "layout": layout,
-                                                "build": None, "max_frames": 256, "frames_per_char": 2.0})
+                                                "build": None, "max_frames": 96, "frames_per_char": 2.0})
     tok = AutoTokenizer.from_pretrained(model_dir / profile.tts.engine.lm)
     engine = TTSEngine(cfg, lm, tok, load_snac(model_dir / profile.tts.engine.snac, device=device))
     text = "The quick brown fox jumps over the lazy dog near the river bank."

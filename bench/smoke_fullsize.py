@@ -114,7 +114,9 @@ def smoke_video(work: Path, cpu_dir: Path, profile, layers: int) -> dict:
     src = cpu_dir / "video" / "wan"
     tok = AutoTokenizer.from_pretrained(src / "tokenizer")
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**fullsize_config("wan22_vae")).eval()
+    vae_cfg = fullsize_config("wan22_vae")
+    z = vae_cfg["z_dim"]  # latents_mean/std: 0 / 1 (see the config's note; diffusers' default is Wan2.1's 16)
+    vae = AutoencoderKLWan(**vae_cfg, latents_mean=[0.0] * z, latents_std=[1.0] * z).eval()
     torch.set_default_dtype(torch.bfloat16)
     te_cfg = fullsize_config("umt5_xxl") | {"num_layers": layers, "pad_token_id": tok.pad_token_id,
                                             "eos_token_id": tok.eos_token_id, "decoder_start_token_id": 0}
