@@ -140,7 +140,8 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
           host: str = typer.Option(None, help="bind address (default: the profile's)"),
           port: int = typer.Option(None, help="port (default: the profile's)"),
           address: str = typer.Option(None, help="join a running Ray cluster (ray://<head>:10001, or auto for the "
-                                                 "cluster of this node) instead of starting one")):
+                                                 "cluster of this node) instead of starting one; a cluster "
+                                                 "with token auth needs RAY_AUTH_MODE=token")):
     """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM; either stops it in a few
     seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0.
 
