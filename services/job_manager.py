@@ -1,10 +1,15 @@
 """Video jobs: the job-manager Ray actor, and one Ray task per job.
 
 - :class:`JobManager`: a (detached, named) Ray actor, the one writer of the :class:`services.job_store.JobStore`.
-  Ray tasks started from a Serve replica die with it, so jobs are launched from here: each job is its own Ray
-  task (:func:`services.job_runner.run_video_job`) asking for ``gpus_per_job`` GPUs (1 in GPU profiles: Ray
-  sets the task's ``CUDA_VISIBLE_DEVICES``; 0 on the cpu profile), so one job owns one GPU and Ray's scheduler
-  queues the rest. Cancel = ``ray.cancel(force=True)``: the worker process is killed and its GPU is free at once.
+  At start it creates ``jobs.workers`` :class:`services.job_runner.JobWorker` actors (owned by it, so they die
+  with it), each asking Ray for ``gpus_per_job`` GPUs (1 in GPU profiles; 0 on the cpu profile) and holding its
+  engine on the GPU it was given (why one long-lived actor per GPU: see :mod:`services.job_runner`). Jobs wait
+  in the manager, first in first out, for an idle worker; a worker runs one job at a time, so one job owns one
+  GPU. Cancel kills the job's worker (its GPU is free at once) and a fresh worker takes its slot; a worker that
+  dies mid-job fails the job (``worker_died``) and is replaced the same way.
+- The manager is restarted by Ray when it dies (:func:`get_manager`: ``max_restarts=-1``); the restarted one
+  applies the restart recovery below on first contact. :func:`get_manager` replaces a running manager whose
+  configuration differs (a redeploy with a changed profile) instead of reusing it.
 - Restart recovery (documented behaviour): when a manager starts on an existing store, jobs that were
   ``in_progress`` become ``failed`` with error code ``interrupted`` (their partial work is lost; the client
   may resubmit); ``queued`` jobs, which never started, are launched again. Completed jobs and their files stay.
@@ -19,7 +24,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .job_runner import run_video_job
 from .job_store import JobStore, request_hash, video_object
 
 
@@ -38,7 +42,8 @@ class JobError(Exception):
 
 # ---- the manager actor ---------------------------------------------------------------------------------------
 class JobManager:
-    """Owns the store and launches one Ray task per job (wrap with ``ray.remote``; see :func:`get_manager`).
+    """Owns the store and the job workers, and runs each job on one (wrap with ``ray.remote``; see
+    :func:`get_manager`).
 
     ``engine_cfg``: the video engine config (dict); ``model_dir``: the profile's model dir; ``model_id``: the
     public model id. All methods return plain dicts (Video objects) or raise :class:`JobError`.
@@ -57,8 +62,13 @@ class JobManager:
             url = "sqlite:///" + str(Path(model_dir) / url[len("sqlite:///"):])
         res = Path(jobs.results_dir)
         self.store = JobStore(url, res if res.is_absolute() else Path(model_dir) / res)
-        self.refs: dict[str, Any] = {}
-        self.watchers: dict[str, asyncio.Task] = {}
+        self.config_hash = config_hash(engine_cfg, model_dir, model_id)
+        self.watchers: dict[str, asyncio.Task] = {}  # job id -> its task (waiting for a worker, or running)
+        self.busy: dict[str, int] = {}  # job id -> the slot of the worker running it
+        self.workers = [self._new_worker() for _ in range(jobs.workers)]
+        self.idle: asyncio.Queue[int] = asyncio.Queue()  # slots of idle workers; waiting jobs are served FIFO
+        for slot in range(jobs.workers):
+            self.idle.put_nowait(slot)
         self._recovered = False
         self._last_created = self.store.latest_created_at()
         self._create_lock = asyncio.Lock()  # idempotency check + queue check + insert, as one step
@@ -179,24 +189,41 @@ class JobManager:
         self._launch(row)
         return video_object(row)
 
-    def _launch(self, row: dict) -> None:
+    def _new_worker(self):
+        """A fresh JobWorker actor (its engine loads at once, on the GPU Ray gives it)."""
         import ray
+
+        from .job_runner import JobWorker
 
         jobs = self.cfg.jobs
-        task = ray.remote(run_video_job).options(num_gpus=jobs.gpus_per_job, num_cpus=jobs.cpus_per_job,
-                                                 max_retries=0, name=f"video-job-{row['id']}")
-        ref = task.remote(row["id"], self.cfg_json, self.model_dir, str(self.store.job_dir(row["id"])),
-                          row["params"], self._handle())
-        self.refs[row["id"]] = ref
-        self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row["id"], ref))
+        return ray.remote(JobWorker).options(num_gpus=jobs.gpus_per_job, num_cpus=jobs.cpus_per_job,
+                                             max_restarts=0, max_concurrency=1).remote(
+            self.cfg_json, self.model_dir, jobs.gpus_per_job)
 
-    async def _watch(self, job_id: str, ref) -> None:
+    def _replace_worker(self, slot: int) -> None:
+        """Kill the worker in ``slot`` (no restart: its GPU is free at once) and put a fresh one there."""
         import ray
 
+        ray.kill(self.workers[slot], no_restart=True)
+        self.workers[slot] = self._new_worker()
+
+    def _launch(self, row: dict) -> None:
+        self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row))
+
+    async def _watch(self, row: dict) -> None:
+        """Wait for an idle worker, run the job there, record the outcome; the worker's slot is given back."""
+        import ray
+
+        job_id, slot = row["id"], None
         try:
             from video.request import seconds_label
 
-            result = await ref
+            slot = await self.idle.get()
+            if not await self._io(self.store.update_if_active, job_id, status="queued"):  # deleted while it waited
+                return
+            self.busy[job_id] = slot
+            result = await self.workers[slot].run.remote(job_id, str(self.store.job_dir(job_id)), row["params"],
+                                                         self._handle())
             now = time.time()
             row = await self._io(self.store.get, job_id)
             await self._io(self.store.update_if_active, job_id, status="completed", phase="encoding", progress=100,
@@ -204,9 +231,10 @@ class JobManager:
                            clips_done=row["clips_total"] if row else 0, completed_at=now,
                            expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
                            worker_finished_at=result["finished"])
-        except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
+            self._replace_worker(slot)
             await self._io(self.store.update_if_active, job_id, status="failed", error_code="worker_died",
-                           error_message=f"the job's worker stopped: {type(exc).__name__}",
+                           error_message=f"the job's worker stopped: {type(exc).__name__}: {exc}"[:2000],
                            completed_at=time.time())
         except Exception as exc:  # noqa: BLE001 - recorded on the job
             from services.errors import unwrap
@@ -217,14 +245,19 @@ class JobManager:
             await self._io(self.store.update_if_active, job_id, status="failed", error_code=str(code),
                            error_message=f"{type(cause).__name__}: {cause}"[:2000], completed_at=time.time())
         finally:
-            self.refs.pop(job_id, None)
+            self.busy.pop(job_id, None)
             self.watchers.pop(job_id, None)
+            if slot is not None:
+                self.idle.put_nowait(slot)
 
     # -- reports from job tasks
-    async def started(self, job_id: str, device: str, pid: int) -> None:
-        """From the job task: it runs on ``device`` (its ``CUDA_VISIBLE_DEVICES``, or ``cpu``) in process ``pid``."""
+    async def started(self, job_id: str, where: dict) -> None:
+        """From the job's worker: where it runs (:meth:`services.job_runner.JobWorker.where`). Stored as
+        ``device`` (the worker's ``CUDA_VISIBLE_DEVICES``, or ``cpu`` without one), ``engine_device`` (the torch
+        device of the engine's weights) and ``worker_pid``."""
         await self._io(self.store.update_if_active, job_id, status="in_progress", phase="denoising",
-                       started_at=time.time(), device=str(device), worker_pid=int(pid))
+                       started_at=time.time(), device=str(where["cuda_visible_devices"] or "cpu"),
+                       engine_device=str(where["engine_device"]), worker_pid=int(where["pid"]))
 
     async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
         """From the job task: phase and integer percent (capped at 99 until the result is stored)."""
@@ -297,13 +330,13 @@ class JobManager:
         import ray
 
         await self._row(job_id, owner=owner)
-        ref = self.refs.pop(job_id, None)
         await self._io(self.store.update_if_active, job_id, status="cancelled", error_code=None)
-        if ref is not None:
-            ray.cancel(ref, force=True)
-            w = self.watchers.pop(job_id, None)
-            if w is not None:
-                w.cancel()
+        slot = self.busy.pop(job_id, None)
+        if slot is not None:
+            self._replace_worker(slot)
+        w = self.watchers.pop(job_id, None)
+        if w is not None:
+            w.cancel()
         await self._io(self.store.delete, job_id)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
@@ -312,18 +345,66 @@ class JobManager:
         return await self._io(self.store.count_active)
 
     async def running(self) -> list[str]:
-        """Ids of jobs whose task is queued or running in Ray."""
-        return list(self.refs)
+        """Ids of jobs waiting for a worker or running on one."""
+        return list(self.watchers)
+
+    async def workers_where(self) -> list[dict]:
+        """:meth:`services.job_runner.JobWorker.where` of each worker, by slot (a busy worker answers when its
+        job ends)."""
+        return list(await asyncio.gather(*(w.where.remote() for w in self.workers)))
+
+    async def get_config_hash(self) -> str:
+        """The :func:`config_hash` this manager was started with."""
+        return self.config_hash
 
 
-def get_manager(engine_cfg: dict, model_dir: str, model_id: str):
-    """The named, detached JobManager actor of this profile (created if missing). Detached: it outlives the
-    Serve replica that created it (jobs keep running through a replica restart)."""
+def config_hash(engine_cfg: dict, model_dir: str, model_id: str) -> str:
+    """sha256 (hex) of a manager's configuration: the video engine config, model dir and model id."""
+    import hashlib
+
+    canon = json.dumps({"engine": engine_cfg, "model_dir": str(model_dir), "model_id": model_id}, sort_keys=True,
+                       default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def get_manager(engine_cfg: dict, model_dir: str, model_id: str, ceiling_s: float = 60.0):
+    """The named, detached JobManager actor of this profile with this configuration. Blocking (call it off an
+    event loop).
+
+    Detached: it outlives the Serve replica that created it (jobs keep running through a replica restart).
+    ``max_restarts=-1``: Ray restarts it when it dies, with the same arguments. A running manager whose
+    :func:`config_hash` differs from this configuration's (a redeploy with a changed profile) is killed and a
+    new one created in its place; its running jobs are then recovered as interrupted (module doc).
+    ``ceiling_s``: how long to wait for a killed manager's name to be free (a bound against a hang). Raises
+    TimeoutError past it."""
     import ray
 
     from video.config import VideoConfig
 
     jobs = VideoConfig.model_validate(engine_cfg).jobs
+    want = config_hash(engine_cfg, model_dir, model_id)
+    try:
+        old = ray.get_actor(jobs.actor_name, namespace=jobs.namespace)
+    except ValueError:  # none by that name
+        old = None
+    if old is not None:
+        try:
+            same = ray.get(old.get_config_hash.remote()) == want
+        except ray.exceptions.RayActorError:  # dying for good: replaced below
+            same = False
+        if same:
+            return old
+        ray.kill(old, no_restart=True)
     actor = ray.remote(JobManager).options(name=jobs.actor_name, namespace=jobs.namespace, get_if_exists=True,
-                                           lifetime="detached", num_cpus=0, max_concurrency=64)
-    return actor.remote(engine_cfg, model_dir, model_id)
+                                           lifetime="detached", num_cpus=0, max_concurrency=64, max_restarts=-1)
+    deadline = time.monotonic() + ceiling_s
+    while True:
+        try:
+            handle = actor.remote(engine_cfg, model_dir, model_id)
+            if ray.get(handle.get_config_hash.remote()) == want:
+                return handle
+        except ray.exceptions.RayActorError:  # the name still held by the killed one, dying
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job manager {jobs.actor_name!r} was not replaced within {ceiling_s} s")
+        time.sleep(0.1)

@@ -1,4 +1,16 @@
-"""What runs one video job: :func:`run_video_job` (generate, encode, save), in a Ray worker."""
+"""What runs video jobs: :class:`JobWorker`, one long-lived Ray actor per GPU holding its engine.
+
+Why a long-lived actor per GPU, not a fresh process per job (``max_calls=1``): the production Ray Serve video
+stacks (vLLM-Omni's diffusion workers, xDiT/xfuser's Ray workers, FastVideo) keep one process per GPU with the
+pipeline loaded and feed it requests, because loading a Wan 5B/14B checkpoint (tens of GB) costs tens of seconds
+to minutes, longer than many jobs; a process per job would pay it every time. The actor asks Ray for
+``gpus_per_job`` GPUs once, at creation: Ray pins it to them for its whole life and sets its
+``CUDA_VISIBLE_DEVICES``, and the engine is built in ``__init__`` on ``cuda:0`` of that view, the one GPU the
+actor was given (on the CPU when it was given none, or CUDA is absent). A job runs inside ``run`` and the actor
+runs one call at a time, so one job owns one GPU and never shares it, and no engine ever crosses devices: an
+engine lives and dies with the actor that holds its GPU. Cancelling kills the actor (its GPU memory is freed at
+once) and the manager starts a fresh one in its place.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +18,48 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 
-_ENGINES: dict[tuple, Any] = {}
+class JobWorker:
+    """One job slot: a Ray actor (wrap with ``ray.remote(num_gpus=gpus_per_job)``; the job manager does) holding a
+    :class:`video.engine.VideoEngine` built on the GPU Ray gave it.
+
+    ``cfg_json``: the VideoConfig as JSON; ``model_dir``: the profile's model dir; ``gpus``: the GPUs asked for
+    (0: the engine runs on ``cfg.device``, the CPU on the cpu profile). Raises what the engine's loading raises
+    (OSError, ValueError) from ``__init__``.
+    """
+
+    def __init__(self, cfg_json: str, model_dir: str, gpus: float):
+        import ray
+        import torch
+
+        from video.config import VideoConfig
+        from video.engine import VideoEngine
+
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = "cuda:0" if gpus and torch.cuda.is_available() else None  # cuda:0 = the one GPU in its view
+        self.engine = VideoEngine(VideoConfig.model_validate_json(cfg_json), model_dir, device=device)
+
+    def where(self) -> dict:
+        """Where this worker's engine runs: ``{"pid": int, "gpu_ids": [str] (Ray's ids of its GPUs),
+        "cuda_visible_devices": str | None, "engine_device": str (the torch device of the engine's weights)}``."""
+        return {"pid": os.getpid(), "gpu_ids": self.gpu_ids, "cuda_visible_devices": self.visible,
+                "engine_device": str(next(self.engine.t2v.transformer.parameters()).device)}
+
+    def run(self, job_id: str, job_dir: str, params: dict, manager) -> dict:
+        """Run one job on this worker's engine (:func:`run_video_job`; same arguments, same result)."""
+        return run_video_job(self.engine, job_id, job_dir, params, manager, self.where())
 
 
-def _engine(cfg_json: str, model_dir: str, device: str | None):
-    """A VideoEngine cached per worker process (Ray reuses workers, so models stay loaded between jobs)."""
-    from video.config import VideoConfig
-    from video.engine import VideoEngine
-
-    key = (cfg_json, model_dir, device)
-    if key not in _ENGINES:
-        _ENGINES.clear()
-        _ENGINES[key] = VideoEngine(VideoConfig.model_validate_json(cfg_json), model_dir, device=device)
-    return _ENGINES[key]
-
-
-def run_video_job(job_id: str, cfg_json: str, model_dir: str, job_dir: str, params: dict, manager) -> dict:
-    """Run one video job in a Ray worker: generate, encode MP4 + thumbnail, save the last frame and the drift
-    reference for later extensions. Reports progress to ``manager`` (the JobManager actor handle).
+def run_video_job(engine, job_id: str, job_dir: str, params: dict, manager, where: dict) -> dict:
+    """Run one video job on ``engine`` (a VideoEngine): generate, encode MP4 + thumbnail, save the last frame and
+    the drift reference for later extensions. Reports to ``manager`` (the JobManager actor handle) where it runs
+    (``where``: :meth:`JobWorker.where`), then its progress.
 
     ``params``: ``{"request": VideoRequest dict, "image": bool, "extend": {"frames": path, ...} | None}``.
-    Returns ``{"frames", "fps", "started", "finished"}`` (wall-clock seconds measured in the worker). Raises NonFiniteOutputError, ValueError, OSError."""
+    Returns ``{"frames", "fps", "started", "finished"}`` (wall-clock seconds measured in the worker). Raises
+    NonFiniteOutputError, ValueError, OSError."""
     import numpy as np
     import torch
     from PIL import Image
@@ -40,10 +70,7 @@ def run_video_job(job_id: str, cfg_json: str, model_dir: str, job_dir: str, para
     from video.request import VideoRequest
 
     t0 = time.time()
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    device = "cuda" if params.get("gpus_per_job") and torch.cuda.is_available() else None
-    manager.started.remote(job_id, gpus if gpus is not None else "cpu", os.getpid())
-    engine = _engine(cfg_json, model_dir, device)
+    manager.started.remote(job_id, where)
     req = VideoRequest.from_dict(params["request"])
     jd = Path(job_dir)
     image, reference, prefix = None, None, None

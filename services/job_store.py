@@ -60,6 +60,7 @@ class JobStore:
             sa.Column("error_code", sa.String(64), nullable=True),
             sa.Column("error_message", sa.Text, nullable=True),
             sa.Column("device", sa.String(64), nullable=True),
+            sa.Column("engine_device", sa.String(64), nullable=True),  # torch device of the job's engine
             sa.Column("worker_pid", sa.Integer, nullable=True),
             sa.Column("worker_started_at", sa.Float, nullable=True),
             sa.Column("worker_finished_at", sa.Float, nullable=True),

@@ -39,6 +39,8 @@ from .errors import APIError, to_api_error, unwrap
 from .profiles import FamilySection, Profile
 
 _TERMINAL = ("completed", "failed", "cancelled")
+_READS = ("ping", "get", "list", "content_path", "record", "queue_length", "extension_source", "running",
+          "workers_where", "get_config_hash")  # asked again on a re-acquired manager; writes are not
 log = logging.getLogger("chimera")
 
 
@@ -79,13 +81,38 @@ class Deployment:
         self.manager = get_manager(self.cfg.model_dump(mode="json"), model_dir, self.section.model_id)
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call the job manager. A caller that went away (Serve cancels this request, and with it the actor
-        call) ends as ``asyncio.CancelledError``, which Serve logs as CANCELLED, not as a failed request with a
-        traceback; the manager's own errors are unwrapped from Ray's wrapper."""
+        """Call the job manager. When its handle fails (``RayActorError``: ActorDiedError when the manager was
+        killed for good or replaced by a redeploy, ActorUnavailableError while Ray restarts it), the named
+        manager is got again (:func:`services.job_manager.get_manager`, off the event loop) and a read
+        (:data:`_READS`) asked once more; a write (create, delete) is not repeated, since it may have been
+        applied. A write's failure, or a second one, is APIError 503 ``model_unavailable`` (``Retry-After``).
+        A caller that went away (Serve cancels this request, and with it the actor call) ends as
+        ``asyncio.CancelledError``, which Serve logs as CANCELLED, not as a failed request with a traceback; the
+        manager's own errors are unwrapped from Ray's wrapper."""
+        import ray
+
+        from .job_manager import get_manager
+
+        try:
+            return await self._ask(method, *args, **kwargs)
+        except ray.exceptions.RayActorError as exc:
+            self.manager = await asyncio.to_thread(get_manager, self.cfg.model_dump(mode="json"), self.model_dir,
+                                                   self.section.model_id)
+            if method not in _READS:
+                raise to_api_error(exc) from None
+        try:
+            return await self._ask(method, *args, **kwargs)
+        except ray.exceptions.RayActorError as exc:
+            raise to_api_error(exc) from None
+
+    async def _ask(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One call of the job manager (see :meth:`_call`); RayActorError passes through as it is."""
         import ray
 
         try:
             return await getattr(self.manager, method).remote(*args, **kwargs)
+        except ray.exceptions.RayActorError:
+            raise
         except ray.exceptions.TaskCancelledError:
             raise asyncio.CancelledError() from None
         except Exception as exc:  # noqa: BLE001 - the manager's JobError, unwrapped from Ray's wrapper

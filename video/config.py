@@ -56,12 +56,14 @@ class VideoDefaults(_Strict):
 
 class JobOptions(_Strict):
     """The job manager: durable store (any SQLAlchemy URL; relative SQLite paths and ``results_dir`` are
-    resolved against the model dir), one Ray task per job with ``gpus_per_job`` GPUs (0 on the cpu
-    profile), at most ``max_queued`` unfinished jobs (beyond it: 429), results kept ``ttl_s`` seconds."""
+    resolved against the model dir), ``workers`` long-lived job workers each holding an engine and
+    ``gpus_per_job`` GPUs (0 on the cpu profile; so a GPU profile gives video jobs ``workers`` GPUs and runs that
+    many jobs at once), at most ``max_queued`` unfinished jobs (beyond it: 429), results kept ``ttl_s`` seconds."""
 
     store_url: str = "sqlite:///video_jobs.sqlite"
     results_dir: str = "video_results"
-    gpus_per_job: float = Field(0.0, ge=0)
+    workers: int = Field(1, ge=1)
+    gpus_per_job: float = Field(0.0, ge=0, le=1)
     cpus_per_job: float = Field(1.0, ge=0)
     max_queued: int = Field(64, ge=1)
     ttl_s: int = Field(7 * 24 * 3600, ge=60)

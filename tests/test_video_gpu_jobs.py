@@ -1,0 +1,121 @@
+"""One GPU per video job for real, and a job manager that is restarted, re-acquired and replaced.
+
+Ray runs with 2 logical GPUs and no CUDA (the ``ray_cluster`` fixture): Ray still pins each GPU worker actor to
+one GPU id and sets its ``CUDA_VISIBLE_DEVICES``, and each job's row records what its worker really had (that
+variable, the torch device of its engine's weights, its pid), so the tests check where jobs ran, not only Ray's
+labels. The tiny cpu-profile video model runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from services.errors import APIError
+from services.job_manager import config_hash, get_manager
+from tests.test_video_jobs import LONG, _gone, _manager, _submit, _wait
+from video.request import plan_request
+
+_DONE = ("completed", "failed", "cancelled")
+
+
+def test_each_job_runs_on_its_own_gpu(ray_cluster, profile, model_dir, tmp_path):
+    """Two workers, one per GPU; four jobs. Each worker's engine sits on the device of its own GPU; every job ran
+    in the process of the worker holding the GPU its row names; the first two jobs (handed out while both workers
+    were idle) ran on different GPUs; jobs on one GPU never overlap in time (the worker runs one at a time)."""
+    import torch
+
+    ray = ray_cluster
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, gpus_per_job=1, workers=2)
+    where = ray.get(mgr.workers_where.remote())
+    engine_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert sorted(w["gpu_ids"] for w in where) == [["0"], ["1"]]
+    assert all(w["cuda_visible_devices"] == w["gpu_ids"][0] for w in where)
+    assert all(w["engine_device"] == engine_device for w in where)
+    pid_of = {w["cuda_visible_devices"]: w["pid"] for w in where}
+    assert len(set(pid_of.values())) == 2
+
+    ids = [_submit(ray, mgr, cfg, seconds=4, num_inference_steps=2, seed=i) for i in range(4)]
+    recs = [_wait(ray, mgr, i, lambda r: r["status"] in _DONE) for i in ids]
+    assert [r["status"] for r in recs] == ["completed"] * 4, [r["error_message"] for r in recs]
+    for r in recs:
+        assert r["device"] in pid_of and r["worker_pid"] == pid_of[r["device"]]
+        assert r["engine_device"] == engine_device
+    assert recs[0]["device"] != recs[1]["device"]
+    for gpu in pid_of:
+        spans = sorted((r["worker_started_at"], r["worker_finished_at"]) for r in recs if r["device"] == gpu)
+        assert spans, f"GPU {gpu} ran no job"
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one job at a time on a GPU
+    assert ray.get(mgr.running.remote()) == []
+    ray.kill(mgr)
+
+
+def _section(profile, tmp_path, name: str, **jobs) -> dict:
+    """The video section of the cpu profile with its own store, results and manager name (namespace tests)."""
+    sec = profile.video.model_copy(deep=True)
+    sec.engine.jobs = sec.engine.jobs.model_copy(update={
+        "store_url": f"sqlite:///{tmp_path}/jobs.sqlite", "results_dir": str(tmp_path / "results"),
+        "cpus_per_job": 0.25, "actor_name": name, "namespace": "tests", **jobs})
+    return sec.model_dump(mode="json")
+
+
+def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_dir, tmp_path):
+    """The video deployment's manager (Deployment, outside Serve). Killed with restart (as a crash would): the
+    next API call works on the restarted manager and the job that was running is failed ``interrupted``, its
+    worker gone. Killed for good: a read re-acquires the named manager (a new one) and answers; a create on the
+    dead handle is 503 ``model_unavailable`` (not repeated: it may have been applied), the next create works."""
+    import ray
+
+    from services.videos import Deployment
+
+    dep = Deployment(_section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}"), str(model_dir))
+    assert asyncio.run(dep.ready()) is True
+    job = asyncio.run(dep.create({"prompt": "a red kite", **LONG}))["id"]
+    rec = _wait(ray, dep.manager, job, lambda r: r["status"] == "in_progress" and r["progress"] > 0)
+
+    ray.kill(dep.manager, no_restart=False)
+    page = asyncio.run(dep.list())
+    assert [v["id"] for v in page["data"]] == [job]
+    v = asyncio.run(dep.get(job))
+    assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
+    assert _gone(rec["worker_pid"]), "the running job's worker outlived the manager"
+
+    first = dep.manager
+    ray.kill(first, no_restart=True)
+    assert asyncio.run(dep.get(job))["status"] == "failed"  # a read: re-acquired, asked again
+    assert dep.manager._actor_id != first._actor_id
+
+    ray.kill(dep.manager, no_restart=True)
+    with pytest.raises(APIError) as e:  # a write on a dead handle: not repeated
+        asyncio.run(dep.create({"prompt": "a blue kite", "num_inference_steps": 2}))
+    assert (e.value.status, e.value.code) == (503, "model_unavailable")
+    new = asyncio.run(dep.create({"prompt": "a blue kite", "num_inference_steps": 2}))
+    assert new["status"] == "queued"
+    assert _wait(ray, dep.manager, new["id"], lambda r: r["status"] in _DONE)["status"] == "completed"
+    ray.kill(dep.manager, no_restart=True)
+
+
+def test_changed_config_replaces_the_manager(ray_cluster, profile, model_dir, tmp_path):
+    """get_manager with config A, again with A (the same actor), then with B (max_queued 1): the A manager is
+    killed, the one answering has B's hash and applies B's queue limit (a second job is 429 ``queue_full``)."""
+    ray = ray_cluster
+    name = f"test-mgr-{uuid.uuid4().hex[:8]}"
+    a = _section(profile, tmp_path, name)["engine"]
+    b = _section(profile, tmp_path, name, max_queued=1)["engine"]
+    assert config_hash(a, str(model_dir), "chimera-video") != config_hash(b, str(model_dir), "chimera-video")
+    mgr_a = get_manager(a, str(model_dir), "chimera-video")
+    assert get_manager(a, str(model_dir), "chimera-video")._actor_id == mgr_a._actor_id
+    mgr_b = get_manager(b, str(model_dir), "chimera-video")
+    assert mgr_b._actor_id != mgr_a._actor_id
+    assert ray.get(mgr_b.get_config_hash.remote()) == config_hash(b, str(model_dir), "chimera-video")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(mgr_a.get_config_hash.remote())
+    cfg = profile.video.engine
+    job = ray.get(mgr_b.create.remote(plan_request(cfg, {"prompt": "a kite", **LONG}).to_dict()))["id"]
+    with pytest.raises(Exception) as e:
+        ray.get(mgr_b.create.remote(plan_request(cfg, {"prompt": "a kite"}).to_dict()))
+    assert (e.value.cause.status_code, e.value.cause.code) == (429, "queue_full")
+    ray.get(mgr_b.delete.remote(job))
+    ray.kill(mgr_b, no_restart=True)
