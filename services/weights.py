@@ -121,28 +121,46 @@ def hub_offline() -> bool:
 
 
 class HubSource:
-    """The Hugging Face Hub via ``huggingface_hub`` (``HF_TOKEN``/``HF_ENDPOINT`` apply as usual)."""
+    """The Hugging Face Hub via ``huggingface_hub`` (``HF_TOKEN``/``HF_ENDPOINT`` apply as usual; ``endpoint``
+    overrides the latter). Every hub failure (unreachable, unknown or gated repo, HTTP error) is a FetchError
+    naming the repo."""
 
     name = "hub"
+
+    def __init__(self, endpoint: str | None = None):
+        self.endpoint = endpoint
+
+    def _call(self, repo: str, fn):
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        try:
+            return fn()
+        except GatedRepoError:
+            raise FetchError(f"{repo} is gated: accept its terms on the hub and set HF_TOKEN") from None
+        except RepositoryNotFoundError:
+            raise FetchError(f"{repo} not found on the hub (or private: set HF_TOKEN)") from None
+        except Exception as err:  # noqa: BLE001 - HTTP errors, and the transport's own types (httpx2 here)
+            raise FetchError(f"{repo}: hub request failed: {type(err).__name__}: {err}") from None
 
     def list_files(self, repo: str) -> dict[str, int]:
         """``{path: bytes}`` of the repo's files (``HfApi.model_info(files_metadata=True)``)."""
         from huggingface_hub import HfApi
 
-        info = HfApi().model_info(repo, files_metadata=True)
+        info = self._call(repo, lambda: HfApi(endpoint=self.endpoint).model_info(repo, files_metadata=True))
         return {s.rfilename: int(s.size or 0) for s in info.siblings}
 
     def index(self, repo: str) -> Path:
         """Local path of the repo's ``model.safetensors.index.json`` (downloaded into the hub cache)."""
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(repo, INDEX))
+        return Path(self._call(repo, lambda: hf_hub_download(repo, INDEX, endpoint=self.endpoint)))
 
     def fetch(self, repo: str, files: list[str], dest: Path) -> None:
         """Download exactly ``files`` of ``repo`` into ``dest`` (``snapshot_download(allow_patterns=files)``)."""
         from huggingface_hub import snapshot_download
 
-        snapshot_download(repo, local_dir=str(dest), allow_patterns=files)
+        self._call(repo, lambda: snapshot_download(repo, local_dir=str(dest), allow_patterns=files,
+                                                   endpoint=self.endpoint))
 
 
 class DirSource:

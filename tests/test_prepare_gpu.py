@@ -156,3 +156,13 @@ def test_a_mirror_without_the_repo_is_a_clear_error(mirror, tmp_path):
     _, _, _, prof, _ = mirror
     r = CliRunner().invoke(cli, ["prepare", "--profile", str(prof), "--mirror", str(tmp_path / "empty")])
     assert r.exit_code == 2 and f"{TOWER_REPO} is not in the mirror" in r.output, r.output
+
+
+def test_an_unreachable_hub_is_a_fetch_error_naming_the_repo(tmp_path, monkeypatch):
+    """Port 9 on the loopback refuses connections: the hub client's error becomes a FetchError, no traceback."""
+    from services.weights import FetchError, HubSource, plan
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("CHIMERA_MODEL_DIR", str(tmp_path))
+    with pytest.raises(FetchError, match=r"moonshotai/Kimi-K2\.5: hub request failed: ConnectError"):
+        plan(load_profile("gpu"), HubSource(endpoint="http://127.0.0.1:9"), tmp_path)
