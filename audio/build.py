@@ -43,7 +43,27 @@ def build_lm(cfg: TTSConfig, out_dir: Path, tokenizer) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)
+    if out_dir.exists():  # a model of other sizes: swap it out (a rename each, so readers see one or the other)
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
+
+
+def lm_matches(cfg: TTSConfig, lm_dir: Path) -> bool:
+    """Whether ``lm_dir`` holds an LM of ``cfg.build``'s sizes and the layout's vocabulary (``config.json``)."""
+    try:
+        have = json.loads((lm_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    b = cfg.build
+    want = {"hidden_size": b.hidden_size, "intermediate_size": b.intermediate_size,
+            "num_hidden_layers": b.num_hidden_layers, "num_attention_heads": b.num_attention_heads,
+            "num_key_value_heads": b.num_key_value_heads, "vocab_size": TokenLayout(cfg.layout).vocab_size_needed}
+    return all(have.get(k) == v for k, v in want.items())
 
 
 def build_snac(out_dir: Path, seed: int = 0) -> None:
@@ -61,14 +81,15 @@ def build_snac(out_dir: Path, seed: int = 0) -> None:
 
 
 def prepare(cfg: TTSConfig, model_dir: Path) -> bool:
-    """Build the cpu speech models into ``model_dir`` if missing. Returns True when something was written,
+    """Build the cpu speech models into ``model_dir`` if missing (the LM also when its sizes differ from
+    ``cfg.build``, e.g. after a profile change). Returns True when something was written,
     False when everything existed already (idempotent) or the profile uses real checkpoints (no ``build``)."""
     if cfg.build is None:
         return False
     model_dir = Path(model_dir)
     lm_dir, snac_dir = _local(model_dir, cfg.lm), _local(model_dir, cfg.snac)
     wrote = False
-    if not (lm_dir / "config.json").exists():
+    if not lm_matches(cfg, lm_dir):
         from grafting.build import smollm2_tokenizer
 
         lm_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grafting.config import VLLMOptions
+
 ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 ORPHEUS_TAGS = ["laugh", "chuckle", "sigh", "cough", "sniffle", "groan", "yawn", "gasp"]
 
@@ -68,13 +70,14 @@ class LoopGuardConfig(_Strict):
 
 class TTSBuild(_Strict):
     """Sizes of the small random-weight Orpheus-layout ``LlamaForCausalLM`` the cpu profile builds (seeded).
-    The SNAC decoder is the full 24 kHz architecture with random weights."""
+    The SNAC decoder is the full 24 kHz architecture with random weights. Head size ``hidden_size /
+    num_attention_heads`` = 32: the smallest vLLM's CPU attention supports (32..512), so vLLM can serve it."""
 
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
     max_position_embeddings: int = 4096
     seed: int = 0
 
@@ -89,6 +92,14 @@ class TTSConfig(_Strict):
     frames (85.3 ms at 24 kHz), from its character count. ``chunk_frames``: frames per SNAC decode after the
     first (the first frame is emitted as soon as its 2 right neighbours exist). ``max_sentence_chars``:
     longer sentences are cut at a comma or space. ``seed``: default sampling seed (None: random).
+
+    ``backend``: who runs the LM's decode: ``transformers`` (our KV-cache loop in the replica, one per synthesis:
+    the exact reference) or ``vllm`` (vLLM's OpenAI server in its own venv and process, options in ``vllm``, the same
+    :class:`grafting.config.VLLMOptions` as the VLM's; concurrent syntheses are batched there, the frame constraint
+    runs as a vLLM logits processor, see ``audio/vllm_backend.py``). ``max_batch_size``: vLLM's ``--max-num-seqs``
+    (sentences decoded together; more wait in vLLM's queue). Long input is never cut at a token cap: it is split
+    into sentences of at most ``max_sentence_chars``, synthesized in order, and ``max_frames`` caps each sentence.
+    vLLM's context (``--max-model-len``) is :meth:`max_model_len`.
     """
 
     lm: str = "canopylabs/orpheus-3b-0.1-ft"
@@ -113,6 +124,16 @@ class TTSConfig(_Strict):
     chunk_frames: int = Field(4, ge=1)
     seed: int | None = None
     build: TTSBuild | None = None
+    backend: str = Field("transformers", pattern="^(transformers|vllm)$")
+    max_batch_size: int = Field(16, ge=1)
+    vllm: VLLMOptions = VLLMOptions()
+
+    def max_model_len(self) -> int:
+        """Longest sequence one sentence can need, in tokens: its prompt (at most 4 tokens per character of a
+        ``max_sentence_chars`` sentence, byte-level BPE's worst case, plus 64 for the voice and the special ids)
+        and ``7 * max_frames`` audio tokens (a retry resubmits kept frames in the prompt and asks only for the
+        rest, so the sum stays the same)."""
+        return 4 * self.max_sentence_chars + 64 + self.layout.positions * self.max_frames
 
     @model_validator(mode="after")
     def _default_voice_known(self):

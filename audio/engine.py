@@ -68,7 +68,8 @@ def _resolve(model_dir: Path, p: str) -> str:
 class TTSEngine:
     """Orpheus-layout LM + SNAC 24 kHz decoder.
 
-    ``lm``: a causal LM (``LlamaForCausalLM``, or any module with the same forward/KV-cache signature);
+    ``lm``: a causal LM (``LlamaForCausalLM``, or any module with the same forward/KV-cache signature), or an
+    :class:`audio.vllm_backend.VLLMSpeechLM` (the ``vllm`` backend);
     ``tokenizer``: its text tokenizer; ``snac``: a ``snac.SNAC`` model. Use :meth:`from_config` to load.
     """
 
@@ -81,19 +82,35 @@ class TTSEngine:
                             *(i for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip())}
 
     @classmethod
-    def from_config(cls, cfg: TTSConfig, model_dir: str | Path) -> "TTSEngine":
+    def from_config(cls, cfg: TTSConfig, model_dir: str | Path, lm_client=None) -> "TTSEngine":
         """Load LM and tokenizer with ``from_pretrained`` and SNAC with ``SNAC.from_pretrained``; relative
-        paths resolve against ``model_dir``. Raises OSError when a checkpoint is missing (run ``chimera prepare``)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        paths resolve against ``model_dir``. With ``cfg.backend == "vllm"`` the LM decodes in the vLLM server
+        that ``lm_client`` (a :class:`grafting.llm_client.LLMClient`, started by the serving layer) talks to and
+        is not loaded here (:class:`audio.vllm_backend.VLLMSpeechLM`). Raises OSError when a checkpoint is
+        missing (run ``chimera prepare``), ValueError when the vocabulary does not hold the layout or the vllm
+        backend has no client."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         lm_path = _resolve(model_dir, cfg.lm)
         dtype = getattr(torch, cfg.dtype)
-        lm = AutoModelForCausalLM.from_pretrained(lm_path, dtype=dtype).to(cfg.device).eval()
+        if cfg.backend == "vllm":
+            if lm_client is None:
+                raise ValueError("tts.engine.backend vllm needs the client of a vLLM server (lm_client)")
+            from .vllm_backend import VLLMSpeechLM
+
+            lm, vocab = VLLMSpeechLM(lm_client), AutoConfig.from_pretrained(lm_path).vocab_size
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(lm_path, dtype=dtype).to(cfg.device).eval()
+            vocab = lm.config.vocab_size
         tok = AutoTokenizer.from_pretrained(_resolve(model_dir, cfg.tokenizer) if cfg.tokenizer else lm_path)
-        if lm.config.vocab_size < TokenLayout(cfg.layout).vocab_size_needed:
-            raise ValueError(f"LM vocabulary ({lm.config.vocab_size}) does not hold the token layout")
+        if vocab < TokenLayout(cfg.layout).vocab_size_needed:
+            raise ValueError(f"LM vocabulary ({vocab}) does not hold the token layout")
         snac = load_snac(_resolve(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
         return cls(cfg, lm, tok, snac)
+
+    def ready(self) -> bool:
+        """True when the LM can serve now (always for the in-process LM; the vLLM server's state otherwise)."""
+        return getattr(self.lm, "state", "ready") == "ready"
 
     # --- request pieces -------------------------------------------------------------------------------------
     def prompt(self, voice: str, text: str) -> list[int]:

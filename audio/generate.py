@@ -9,7 +9,8 @@
 - :func:`find_loop` is the loop guard: "same token 4+ times in a row" (the reference check) can never fire on
   audio, since each frame position has its own id range, so it looks for repeated frames and short periodic
   frame patterns instead.
-- :func:`generate_frames` runs one sentence: frames are held back ``window_frames`` frames (what a retry may
+- :func:`generate_frames` runs one sentence (tokens from the in-process LM, or streamed from vLLM by
+  :class:`audio.vllm_backend.VLLMSpeechLM`, where the constraint runs as a vLLM logits processor): frames are held back ``window_frames`` frames (what a retry may
   discard); when the guard fires the sentence is rolled back to where the loop began and resumed with a higher
   repetition penalty, at most ``max_retries`` times, then cut short there.
 """
@@ -167,6 +168,11 @@ def generate_frames(model, layout: TokenLayout, prompt: list[int], sampling: Sam
                     report: SentenceReport | None = None) -> Iterator[list[int]]:
     """Yield the frames (lists of 7 SNAC codes) of one sentence, each at most once and never retracted.
 
+    ``model``: the LM (a ``torch.nn.Module``, decoded here by :func:`stream_tokens` with ``generator``) or a
+    remote token source with ``stream_tokens(ids, prompt_len, sampling, layout, seed, max_tokens, cancel)``
+    (:class:`audio.vllm_backend.VLLMSpeechLM`: each attempt is one engine request, seeded with
+    ``generator.initial_seed() + retries``, closed when the attempt ends, so a retry aborts and resubmits it).
+
     Frames are held back while they are among the newest ``guard.window_frames`` (a loop detected later may
     start there); all are released at the end. Raises :class:`Cancelled` when ``cancel`` is set (checked
     every token). ``report`` (a :class:`SentenceReport`) is filled in as it goes."""
@@ -179,7 +185,12 @@ def generate_frames(model, layout: TokenLayout, prompt: list[int], sampling: Sam
         s = sampling.model_copy(update={"repetition_penalty": penalty})
         ids = list(prompt) + [t for f in frames for t in layout.frame_ids(list(f))]
         parser = FrameParser(layout)
-        tokens = stream_tokens(model, ids, len(prompt), s, layout, generator)
+        if isinstance(model, torch.nn.Module):
+            tokens = stream_tokens(model, ids, len(prompt), s, layout, generator)
+        else:  # a remote engine (audio.vllm_backend.VLLMSpeechLM): one request per attempt, seeded per attempt
+            seed = None if generator is None else generator.initial_seed() + report.retries
+            tokens = model.stream_tokens(ids, len(prompt), s, layout, seed,
+                                         (max_frames - len(frames)) * layout.positions, cancel)
         loop_at = None
         try:
             for tok in tokens:

@@ -59,13 +59,50 @@ class Deployment:
         cfg = FamilySection[TTSConfig].model_validate(section)
         if cfg.deployment.torch_threads:
             torch.set_num_threads(cfg.deployment.torch_threads)
-        self.engine = TTSEngine.from_config(cfg.engine, model_dir)
+        self.server = self.lm_client = None  # the vLLM server process this replica owns (backend vllm)
+        if cfg.engine.backend == "vllm":
+            from .vllm_server import start_vllm_for
+
+            self.lm_client = start_vllm_for(cfg.engine, model_dir)
+            self.server = self.lm_client.server
+        try:
+            self.engine = TTSEngine.from_config(cfg.engine, model_dir, lm_client=self.lm_client)
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
         self.running = 0  # syntheses whose worker thread is alive
         self._count_lock = threading.Lock()
 
     async def ready(self) -> bool:
-        """True once the engine is loaded (the constructor has returned)."""
-        return True
+        """True once the engine is loaded (the constructor has returned) and, with the ``vllm`` backend, while
+        its server process is up and healthy."""
+        return self.engine.ready()
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic replica health check: RuntimeError when the vllm backend's server has given up
+        (state ``failed``), so that Ray replaces the replica."""
+        if self.server is not None and self.server.state == "failed":
+            raise RuntimeError(f"the vLLM server failed: {self.server.last_error}")
+
+    async def stats(self) -> dict:
+        """``backend``, ``active`` syntheses (worker threads alive) and, with vllm, ``engine_requests``: the
+        requests vLLM holds (running + waiting, from its ``/metrics``; None while it is down)."""
+        out = {"backend": self.engine.cfg.backend, "active": self.running}
+        if self.lm_client is not None:
+            from grafting.llm_client import EngineUnavailableError
+
+            try:
+                out["engine_requests"] = await self.lm_client.requests_in_engine()
+            except EngineUnavailableError:
+                out["engine_requests"] = None
+        return out
+
+    def __del__(self):
+        """Replica shutdown: stop the vLLM server process this replica owns."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
 
     async def active(self) -> int:
         """Number of syntheses running now (their worker threads alive): 0 once every client is gone."""

@@ -1,5 +1,6 @@
-"""vLLM's OpenAI-compatible server for a VLM profile: its command line (:func:`server_spec`) and its start with a
-client for the engine (:func:`start_vllm_for`), used by the VLM deployment and by tests and benches without Ray.
+"""vLLM's OpenAI-compatible server for a VLM or speech profile: its command line (:func:`server_spec`,
+:func:`speech_server_spec`) and its start with a client for the engine (:func:`start_vllm_for`, one launcher for
+both families), used by the VLM and speech deployments and by tests and benches without Ray.
 
 The server runs in ``.venv-vllm`` under :class:`services.engine_process.ServerProcess`; the engine
 (``grafting/vllm_backend.py``) gets the :class:`services.engine_client.VLLMClient` and never this module.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grafting.config import VLMConfig
+from audio.config import TTSConfig
+from grafting.config import VLLMOptions, VLMConfig
 from grafting.engine import resolve_path
 from grafting.vllm_backend import SERVED_NAME
 
@@ -19,6 +21,8 @@ from .engine_process import ServerProcess, ServerSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+SPEECH_EXT = str(REPO_ROOT / "audio" / "vllm_ext")  # chimera_frame_constraint, importable in .venv-vllm
+FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
 
 
 def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
@@ -30,22 +34,38 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
     (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
     newlines until ``max_tokens``, and an answer cut there does not parse. ``vllm.speculative`` becomes
     ``--speculative-config`` (its fields as JSON)."""
-    o = config.vllm
+    args = ["--enable-prompt-embeds", "--max-logprobs", "20",
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+    return _spec(config.vllm, config.dtype, llm_path, config.max_prompt_tokens + config.max_new_tokens,
+                 config.max_batch_size, args, {})
+
+
+def speech_server_spec(config: TTSConfig, lm_path: str) -> ServerSpec:
+    """The vLLM OpenAI server command for the speech LM of ``config`` (``tts.engine.vllm`` options).
+
+    Context = :meth:`audio.config.TTSConfig.max_model_len`; ``--max-num-seqs`` = ``max_batch_size``; the frame
+    constraint ``audio/vllm_ext/chimera_frame_constraint.py`` is loaded as a custom logits processor (that
+    directory on the server's ``PYTHONPATH``; requests enable it with ``vllm_xargs``, ``audio/vllm_backend.py``)."""
+    env = {"PYTHONPATH": SPEECH_EXT}
+    return _spec(config.vllm, config.dtype, lm_path, config.max_model_len(), config.max_batch_size,
+                 ["--logits-processors", FRAME_PROCESSOR], env)
+
+
+def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seqs: int, family_args: list[str],
+          family_env: dict[str, str]) -> ServerSpec:
     python = o.python if Path(o.python).is_absolute() else str(REPO_ROOT / o.python)
-    args = ["--model", llm_path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or config.dtype,
-            "--max-model-len", str(config.max_prompt_tokens + config.max_new_tokens),
-            "--max-num-seqs", str(config.max_batch_size), "--tensor-parallel-size", str(o.tensor_parallel_size),
-            "--enable-prompt-embeds", "--generation-config", "vllm", "--max-logprobs", "20",
+    args = ["--model", path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or dtype,
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--tensor-parallel-size", str(o.tensor_parallel_size), "--generation-config", "vllm",
             "--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-            "--disable-uvicorn-access-log"]
+            *family_args, "--disable-uvicorn-access-log"]
     if o.enforce_eager:
         args.append("--enforce-eager")
     if o.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
     if o.speculative is not None:
         args += ["--speculative-config", o.speculative.model_dump_json()]
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", **family_env}
     if o.cpu_kvcache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kvcache_space_gib)
     if o.cpu_threads is not None:  # share the host's cores: no pinning, a bounded OpenMP pool
@@ -54,9 +74,14 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
                       startup_timeout_s=o.startup_timeout_s)
 
 
-def start_vllm_for(config: VLMConfig, model_dir: str | Path | None = None) -> VLLMClient:
-    """Start (not await) the vLLM server for ``config`` (its LLM, paths relative to ``model_dir``) under
-    supervision and return a client of it (``client.server`` is the :class:`ServerProcess`; ``client.close()``
-    stops it). Raises FileNotFoundError when the engine interpreter is missing (run ``make install``)."""
-    server = ServerProcess(server_spec(config, resolve_path(model_dir, config.llm)))
+def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
+    """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
+    ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
+    ``client.close()`` stops it). Raises FileNotFoundError when the engine interpreter is missing (run
+    ``make install``)."""
+    if isinstance(config, TTSConfig):
+        spec = speech_server_spec(config, resolve_path(model_dir, config.lm))
+    else:
+        spec = server_spec(config, resolve_path(model_dir, config.llm))
+    server = ServerProcess(spec)
     return VLLMClient(server.start())

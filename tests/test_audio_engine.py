@@ -33,7 +33,9 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def engine(profile, model_dir):
-    return TTSEngine.from_config(profile.tts.engine, model_dir)
+    """The in-process reference engine (``backend: transformers``) of the cpu profile's speech section (the
+    profile serves with vLLM: ``tests/test_tts_vllm.py``)."""
+    return TTSEngine.from_config(profile.tts.engine.model_copy(update={"backend": "transformers"}), model_dir)
 
 
 def test_real_layout_prompt_and_ids():
@@ -376,7 +378,7 @@ def test_prepare_is_idempotent_and_loadable(profile, model_dir, tmp_path):
     from audio.build import prepare
 
     (tmp_path / "vlm").symlink_to(model_dir / "vlm")  # SmolLM2's tokenizer, already built
-    cfg = profile.tts.engine
+    cfg = profile.tts.engine.model_copy(update={"backend": "transformers"})
     assert prepare(cfg, tmp_path) is True
     assert prepare(cfg, tmp_path) is False
     e = TTSEngine.from_config(cfg, tmp_path)
