@@ -480,6 +480,9 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
         elif v is not None:
             raise APIError(400, "video must be {\"id\": <video id>} or a video file", param="video",
                            code="invalid_value")
+        if video_id is not None and not isinstance(video_id, str):  # e.g. {"id": {...}}: never reaches the store
+            raise APIError(400, "video.id must be a string (the id of a completed video)", param="video",
+                           code="invalid_value")
         data = files.pop("video", None)
         if video_id is None and data is None:
             raise APIError(400, "video is required: {\"id\": <completed video id>} or a video file", param="video",
