@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
     model_dir = profile.resolved_model_dir()
-    cfg = profile.tts.engine
+    cfg = profile.tts.engine.model_copy(update={"backend": "transformers"})  # the in-process engine
     if args.chunk_frames:
         cfg = cfg.model_copy(update={"chunk_frames": args.chunk_frames})
     prepare(cfg, model_dir)
