@@ -367,7 +367,7 @@ def config_hash(engine_cfg: dict, model_dir: str, model_id: str) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def get_manager(engine_cfg: dict, model_dir: str, model_id: str, ceiling_s: float = 60.0):
+def get_manager(engine_cfg: dict, model_dir: str, model_id: str, replace: bool = True, ceiling_s: float = 60.0):
     """The named, detached JobManager actor of this profile with this configuration. Blocking (call it off an
     event loop).
 
@@ -375,6 +375,8 @@ def get_manager(engine_cfg: dict, model_dir: str, model_id: str, ceiling_s: floa
     ``max_restarts=-1``: Ray restarts it when it dies, with the same arguments. A running manager whose
     :func:`config_hash` differs from this configuration's (a redeploy with a changed profile) is killed and a
     new one created in its place; its running jobs are then recovered as interrupted (module doc).
+    ``replace=False`` (a replica re-acquiring its lost handle): any live manager of that name is returned as it
+    is, so a replica of an older deployment never replaces its successor's manager during a rolling update.
     ``ceiling_s``: how long to wait for a killed manager's name to be free (a bound against a hang). Raises
     TimeoutError past it."""
     import ray
@@ -391,8 +393,8 @@ def get_manager(engine_cfg: dict, model_dir: str, model_id: str, ceiling_s: floa
         try:
             same = ray.get(old.get_config_hash.remote()) == want
         except ray.exceptions.RayActorError:  # dying for good: replaced below
-            same = False
-        if same:
+            same = None
+        if same or (not replace and same is not None):
             return old
         ray.kill(old, no_restart=True)
     actor = ray.remote(JobManager).options(name=jobs.actor_name, namespace=jobs.namespace, get_if_exists=True,
@@ -401,7 +403,7 @@ def get_manager(engine_cfg: dict, model_dir: str, model_id: str, ceiling_s: floa
     while True:
         try:
             handle = actor.remote(engine_cfg, model_dir, model_id)
-            if ray.get(handle.get_config_hash.remote()) == want:
+            if ray.get(handle.get_config_hash.remote()) == want or not replace:
                 return handle
         except ray.exceptions.RayActorError:  # the name still held by the killed one, dying
             pass

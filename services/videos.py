@@ -83,7 +83,8 @@ class Deployment:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call the job manager. When its handle fails (``RayActorError``: ActorDiedError when the manager was
         killed for good or replaced by a redeploy, ActorUnavailableError while Ray restarts it), the named
-        manager is got again (:func:`services.job_manager.get_manager`, off the event loop) and a read
+        manager is got again (:func:`services.job_manager.get_manager` with ``replace=False``, off the event loop:
+        whichever manager holds the name now, or a new one when none does) and a read
         (:data:`_READS`) asked once more; a write (create, delete) is not repeated, since it may have been
         applied. A write's failure, or a second one, is APIError 503 ``model_unavailable`` (``Retry-After``).
         A caller that went away (Serve cancels this request, and with it the actor call) ends as
@@ -97,7 +98,7 @@ class Deployment:
             return await self._ask(method, *args, **kwargs)
         except ray.exceptions.RayActorError as exc:
             self.manager = await asyncio.to_thread(get_manager, self.cfg.model_dump(mode="json"), self.model_dir,
-                                                   self.section.model_id)
+                                                   self.section.model_id, replace=False)
             if method not in _READS:
                 raise to_api_error(exc) from None
         try:

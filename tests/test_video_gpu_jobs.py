@@ -99,7 +99,8 @@ def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_
 
 def test_changed_config_replaces_the_manager(ray_cluster, profile, model_dir, tmp_path):
     """get_manager with config A, again with A (the same actor), then with B (max_queued 1): the A manager is
-    killed, the one answering has B's hash and applies B's queue limit (a second job is 429 ``queue_full``)."""
+    killed, the one answering has B's hash and applies B's queue limit (a second job is 429 ``queue_full``);
+    re-acquiring with A and ``replace=False`` (an old replica) returns B untouched."""
     ray = ray_cluster
     name = f"test-mgr-{uuid.uuid4().hex[:8]}"
     a = _section(profile, tmp_path, name)["engine"]
@@ -112,6 +113,8 @@ def test_changed_config_replaces_the_manager(ray_cluster, profile, model_dir, tm
     assert ray.get(mgr_b.get_config_hash.remote()) == config_hash(b, str(model_dir), "chimera-video")
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(mgr_a.get_config_hash.remote())
+    # a replica of the old deployment re-acquiring its lost handle takes the live manager, B, as it is
+    assert get_manager(a, str(model_dir), "chimera-video", replace=False)._actor_id == mgr_b._actor_id
     cfg = profile.video.engine
     job = ray.get(mgr_b.create.remote(plan_request(cfg, {"prompt": "a kite", **LONG}).to_dict()))["id"]
     with pytest.raises(Exception) as e:

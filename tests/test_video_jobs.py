@@ -111,11 +111,11 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     assert v["status"] == "failed" and v["error"]["code"] == "interrupted"
     assert v["phase"] is None  # finished jobs report no phase
     assert ray.get(mgr2.get.remote(done))["status"] == "completed"
-    frames, fps = decode_video(ray.get(mgr2.content.remote(done)))
+    frames, fps = decode_video(ray.get(mgr2.content_path.remote(done))["path"])
     assert frames.shape == (9, 64, 64, 3) and fps == 2
     assert ray.get(mgr2.get.remote(done))["seconds"] == "4.5"  # one 9-frame clip at 2 fps, as served
     with pytest.raises(Exception) as e:  # the interrupted job has no content: 409
-        ray.get(mgr2.content.remote(running))
+        ray.get(mgr2.content_path.remote(running))
     assert e.value.cause.status_code == 409
     assert _wait(ray, mgr2, newer, lambda r: r["status"] not in ("queued", "in_progress"))["status"] == "completed"
     ray.kill(mgr2)
