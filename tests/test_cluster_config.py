@@ -1,6 +1,8 @@
 """The Ray cluster configs: ``configs/serve.yaml`` (``serve deploy``) and ``configs/kuberay-rayservice.yaml``
 (KubeRay ``RayService`` with the same ``serveConfigV2``) are valid, point at an importable application builder
-with a valid profile, and ask for the resources ``configs/gpu.yaml`` gives each deployment. No Ray started."""
+with a valid profile, and ask for the resources ``configs/gpu.yaml`` gives each deployment (no Ray started), and
+``chimera serve --address`` joins a running cluster (the last test: it starts a small Ray cluster and an
+ingress-only application, so it runs under the e2e lock)."""
 
 from __future__ import annotations
 
@@ -117,3 +119,74 @@ def test_app_builder_refuses_a_profile_that_does_not_fit(tmp_path):
     prof.write_text(yaml.safe_dump(data))
     with pytest.raises(PlanError, match=r"does not fit its GPUs(.|\n)*GPU 3: 2\d\.\d\d GiB > 16\.00 GiB"):
         app_builder({"profile": str(prof)})
+
+
+HOLDER = """
+import signal, sys, time
+import ray
+ray.init(num_cpus=2, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit runs ray.shutdown: the cluster ends with this process
+while True:
+    time.sleep(1)
+"""
+STATUS = """
+import sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False)
+print(sorted(serve.status().applications))
+"""
+
+
+def test_serve_address_joins_a_running_cluster_and_leaves_it_running(tmp_path):
+    """`chimera serve --address <gcs>` deploys onto a cluster another process started (the application shows in
+    that cluster's Serve status), and SIGTERM deletes only the application: the cluster and its Serve stay up.
+    A profile without model families (ingress only) keeps it to a few seconds. Needs the e2e lock."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from services.readiness import wait_ready
+    from tests.conftest import free_port
+
+    # Ray 2.60's local clusters use token auth (~/.ray/auth_token); a driver given an explicit address uses it only
+    # with RAY_AUTH_MODE=token (README "Running on a Ray cluster").
+    env = {**os.environ, "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "services.edge:proxy_middlewares",
+           "RAY_AUTH_MODE": "token"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    serve_proc = None
+    try:
+        gcs = holder.stdout.readline().strip()
+        assert gcs, "the holder did not start a cluster"
+        port = free_port()
+        prof = tmp_path / "join.yaml"
+        prof.write_text(yaml.safe_dump({"name": "join", "model_dir": str(tmp_path), "ray": {"num_cpus": 1},
+                                        "server": {"port": port, "ingress": {"num_cpus": 0.1}}}))
+        serve_proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--profile", str(prof),
+                                       "--address", gcs], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, 300, alive=lambda: serve_proc.poll() is None)
+        except RuntimeError:
+            serve_proc.kill()
+            raise AssertionError(serve_proc.communicate(timeout=60)[0][-4000:]) from None
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"] == []
+        status = [sys.executable, "-c", STATUS, gcs]
+        assert subprocess.run(status, capture_output=True, text=True, timeout=300, env=env).stdout.strip() \
+            == "['chimera']"
+        serve_proc.send_signal(signal.SIGTERM)
+        out, _ = serve_proc.communicate(timeout=300)
+        assert serve_proc.returncode == 0, out
+        assert holder.poll() is None  # the cluster is still running
+        assert subprocess.run(status, capture_output=True, text=True, timeout=300, env=env).stdout.strip() == "[]"
+    finally:
+        for p in (serve_proc, holder):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=120)
