@@ -4,7 +4,7 @@
 one image answer (VLMEngine, transformers backend), one sparse-attention video clip (VideoEngine, flex_attention
 on CUDA), one spoken sentence (TTSEngine). Minutes.
 
-``scale``: real-size architectures, full depth, random weights (``configs/fullsize``), bf16, on one GPU:
+``scale``: real-size architectures, full depth, random weights (``configs/published``), bf16, on one GPU:
 - Wan2.1-T2V-1.3B at 480x832x81 (21 x 30 x 52 = 32,760 tokens): one denoising step (two transformer calls, CFG)
   dense vs block-sparse at keep 0.125, and ``--video-steps`` steps end to end (+ the Wan2.1 VAE decode);
 - Orpheus 3B + SNAC 24 kHz through TTSEngine: time to first audio (TTFA) and 1/2/4 concurrent streams, each

@@ -9,7 +9,7 @@ Families (one process each, one after another, so peak memory is one family's):
   3 blocks, 2 kept per row).
 - ``tts``: Orpheus 3B (Llama-3.2-3B sizes) + SNAC 24 kHz (full), ``TTSEngine``: one spoken sentence.
 
-Sizes come from ``configs/fullsize/*.json`` (the published config.json values, with their source); depth is cut
+Sizes come from ``configs/published`` (the published config.json files, laid out like the hub repos); depth is cut
 to ``--layers`` (default 1) transformer layers; the tokenizers are the cpu profile's (SmolLM2's, ids < every
 real vocabulary). Weights are seeded random, written with ``save_pretrained`` to a temporary directory and loaded
 by the engines with ``from_pretrained``, as real checkpoints are. Transformer weights are bfloat16 (the gpu
@@ -35,15 +35,31 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FULLSIZE = ROOT / "configs" / "fullsize"
+PUBLISHED = ROOT / "configs" / "published"  # the published config.json files, laid out like the hub repos
 FAMILIES = ("vlm", "video", "tts")
+# short name -> the published file it reads (configs/published/README.md says what each holds)
+FULLSIZE = {
+    "moonvit": "moonshotai/Kimi-K2.5/config.json",  # its vision_config
+    "glm4_9b_0414": "THUDM/GLM-4-9B-0414/config.json",
+    "umt5_xxl": "Wan-AI/Wan2.2-TI2V-5B-Diffusers/text_encoder/config.json",
+    "wan22_ti2v_5b_transformer": "Wan-AI/Wan2.2-TI2V-5B-Diffusers/transformer/config.json",
+    "wan22_vae": "Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae/config.json",
+    "wan21_t2v_1_3b_transformer": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers/transformer/config.json",
+    "wan21_vae": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers/vae/config.json",
+    "orpheus_3b": "canopylabs/orpheus-3b-0.1-ft/config.json",
+    "snac_24khz": "hubertsiuzdak/snac_24khz/config.json",
+}
+_NOT_ARCHITECTURE = ("architectures", "model_type", "torch_dtype")  # file metadata, not constructor arguments
 
 
 def fullsize_config(name: str) -> dict:
-    """The published config values of ``configs/fullsize/<name>.json`` (keys starting with ``_`` dropped: source
-    and notes). Raises FileNotFoundError for an unknown name."""
-    data = json.loads((FULLSIZE / f"{name}.json").read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
+    """The architecture values of the published ``config.json`` that ``FULLSIZE[name]`` names under
+    configs/published (MoonViT: the checkpoint's ``vision_config``), as constructor keyword arguments: metadata
+    keys (``_class_name``, ``architectures``, ``model_type``, ``torch_dtype``) dropped. Raises KeyError for an
+    unknown name."""
+    data = json.loads((PUBLISHED / FULLSIZE[name]).read_text())
+    data = data.get("vision_config", data)
+    return {k: v for k, v in data.items() if not k.startswith("_") and k not in _NOT_ARCHITECTURE}
 
 
 def _copy(src: Path, dst: Path, names: list[str]) -> None:

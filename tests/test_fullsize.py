@@ -1,6 +1,6 @@
 """Real-size configs and the GPU scripts, checked on the CPU (no GPU, no network).
 
-- configs/fullsize/*.json: each names its published source, and the real architectures built from them on the
+- bench.smoke_fullsize.FULLSIZE: each names a published config.json under configs/published, and the real architectures built from them on the
   meta device have their published sizes (MoonViT ~417M, GLM-4-9B 9.4B, Orpheus 3B 3.3B, Wan2.1-1.3B 1.42B
   parameters), so a mistyped width cannot pass.
 - bench/gpu_check.sh and bench/gpu_scale.sh run with --dry-run (imports, argument parsing, profile and configs,
@@ -18,18 +18,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.smoke_fullsize import FULLSIZE, fullsize_config  # noqa: E402
+from bench.smoke_fullsize import FULLSIZE, PUBLISHED, fullsize_config  # noqa: E402
 
 
-def test_every_fullsize_config_cites_its_source():
-    files = sorted(FULLSIZE.glob("*.json"))
-    assert {f.stem for f in files} >= {"moonvit", "glm4_9b_0414", "umt5_xxl", "wan22_ti2v_5b_transformer",
-                                        "wan22_vae", "wan21_t2v_1_3b_transformer", "wan21_vae", "orpheus_3b",
-                                        "snac_24khz"}
-    for f in files:
-        raw = json.loads(f.read_text())
-        assert "config.json" in raw["_source"] and raw["_class"], f.name
-        assert not any(k.startswith("_") for k in fullsize_config(f.stem))
+def test_every_fullsize_config_is_a_published_file():
+    assert set(FULLSIZE) == {"moonvit", "glm4_9b_0414", "umt5_xxl", "wan22_ti2v_5b_transformer", "wan22_vae",
+                             "wan21_t2v_1_3b_transformer", "wan21_vae", "orpheus_3b", "snac_24khz"}
+    listed = (PUBLISHED / "README.md").read_text()
+    for name, rel in FULLSIZE.items():
+        assert (PUBLISHED / rel).is_file(), rel
+        assert rel.split("/")[1] in listed, f"{rel} not described in configs/published/README.md"
+        cfg = fullsize_config(name)
+        assert cfg and not any(k.startswith("_") or k in ("architectures", "model_type") for k in cfg)
 
 
 def _params(module: torch.nn.Module) -> int:
