@@ -7,7 +7,7 @@ This module reads those configs, places the deployments on GPUs and adds up what
 - architecture configs come from the checkpoint directory when it is local (fetched by ``chimera prepare`` into
   ``<model_dir>/<org>/<name>``), else from ``configs/published/<org>/<name>`` (the published ``config.json`` files);
 - placement: replicas in profile order (vlm, video front, tts), first fit, as Ray hands out whole GPUs for ``num_gpus >= 1``
-  and packs fractions; the video jobs (``jobs.gpus_per_job``) then take every GPU left, one job per GPU share;
+  and packs fractions; the video job workers (``jobs.workers`` of ``jobs.gpus_per_job`` GPUs each) then take theirs;
 - each process on a GPU gets :data:`CUDA_CONTEXT_BYTES` (CUDA context and allocator slack: an allowance);
 - with vLLM, the LLM's GPUs each give vLLM ``gpu_memory_utilization`` of their memory (vLLM's default 0.9 when
   unset): weights / tp + activations + the KV cache of one full-length sequence must fit in that share (vLLM
@@ -164,7 +164,8 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
     jobs = profile.video.engine.jobs.gpus_per_job if profile.video is not None else 0
     if n_gpus is None:
         n_gpus = int(profile.ray.num_gpus) if profile.ray.num_gpus is not None else \
-            math.ceil(sum(s.deployment.num_gpus * s.deployment.num_replicas for _, s in asks)) + math.ceil(jobs)
+            math.ceil(sum(s.deployment.num_gpus * s.deployment.num_replicas for _, s in asks)) + \
+            math.ceil(jobs) * (profile.video.engine.jobs.workers if jobs else 0)
     pool = _GPUs(n_gpus)
     placements, problems = [], []
     for fam, s in asks:
@@ -180,13 +181,14 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
                 placements.append(_tts(profile, model_dir, got, owner))
             else:  # the video front loads no model (its jobs do): only its process
                 placements.append(Placement(owner, got, first=[_ctx()]))
-    if jobs > 0:
-        k = 0
-        while (got := pool.take(jobs)) is not None:
-            placements.append(_video_job(profile, model_dir, got, f"video job {k}"))
-            k += 1
-        if k == 0:
-            problems.append(f"no GPU left for a video job ({jobs:g} GPUs each) on {n_gpus} GPUs")
+    if jobs > 0:  # the job manager starts jobs.workers workers, each holding jobs.gpus_per_job GPUs and an engine
+        workers = profile.video.engine.jobs.workers
+        for k in range(workers):
+            got = pool.take(jobs)
+            if got is None:
+                problems.append(f"video job worker {k} of {workers} needs {jobs:g} GPUs; not enough free of {n_gpus}")
+                break
+            placements.append(_video_job(profile, model_dir, got, f"video job worker {k}"))
     used = [0] * n_gpus
     for p in placements:
         for i, g in enumerate(p.gpus):

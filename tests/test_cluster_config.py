@@ -82,7 +82,8 @@ def test_kuberay_rayservice_carries_the_same_serve_config_and_enough_gpus():
         for d in deps.values():
             n = d["num_replicas"] if "num_replicas" in d else d["autoscaling_config"][which]
             total += n * d["ray_actor_options"]["num_gpus"]
-        return total + prof.video.engine.jobs.gpus_per_job  # at least one video job at a time
+        jobs = prof.video.engine.jobs
+        return total + jobs.workers * jobs.gpus_per_job  # the job workers hold theirs all the time
 
     # the minimum fits the minimum number of workers (and the profile's ray.num_gpus), the maximum the maximum
     assert gpus("min_replicas") <= gpu["minReplicas"] * per_pod and gpus("min_replicas") <= prof.ray.num_gpus

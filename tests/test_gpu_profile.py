@@ -124,7 +124,7 @@ def test_gpu_profile_fits_80_and_141_gb_gpus_as_configured(gpu_gb):
     p = plan(load_profile("gpu"), gpu_gb * GB)
     assert p.fits, p.problems
     owners = _by_owner(p)
-    assert {o: pl.gpus for o, pl in owners.items()} == {"vlm[0]": [0, 1], "tts[0]": [2], "video job 0": [3]}
+    assert {o: pl.gpus for o, pl in owners.items()} == {"vlm[0]": [0, 1], "tts[0]": [2], "video job worker 0": [3]}
     vlm = owners["vlm[0]"]
     share = vlm.per_gpu[0]
     assert share.what == "vLLM share" and share.bytes == int(0.85 * gpu_gb * GB)
@@ -154,7 +154,7 @@ def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbe
     assert not small.fits
     text = "\n".join(small.problems)
     assert re.search(r"GPU 0: \d+\.\d\d GiB > 14\.90 GiB \(vlm\[0\] vLLM share 12\.67", text), text
-    assert re.search(r"GPU 3: 2\d\.\d\d GiB > 14\.90 GiB \(video job 0 transformer weights 9\.31", text), text
+    assert re.search(r"GPU 3: 2\d\.\d\d GiB > 14\.90 GiB \(video job worker 0 transformer weights 9\.31", text), text
     data = load_profile("gpu").model_dump(mode="json")
     data["ray"]["gpu_memory_gib"] = 16
     prof = tmp_path / "small.yaml"
@@ -180,7 +180,7 @@ def test_profile_show_prints_the_plan(tmp_path):
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0] == "profile gpu: 4 GPUs x 80.0 GiB" and lines[-1] == "fits"
-    assert "vlm[0] on GPU 0,1" in lines and "tts[0] on GPU 2" in lines and "video job 0 on GPU 3" in lines
+    assert "vlm[0] on GPU 0,1" in lines and "tts[0] on GPU 2" in lines and "video job worker 0 on GPU 3" in lines
     assert any(re.match(r"\s+kv cache\s+14\.90 GiB  on GPU 2: 16 requests x 8716 tokens", x) for x in lines)
     assert "GPU 1: 68.00 of 80.00 GiB" in lines
     tiny = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "16"])
@@ -217,8 +217,24 @@ def test_gpus_taken_by_replicas_leave_none_for_video_jobs():
     data["video"]["deployment"]["num_gpus"] = 1  # the video front would hold a GPU of its own
     p = plan(parse_profile(data), 80 * GB)
     assert {pl.owner: pl.gpus for pl in p.placements} == {"vlm[0]": [0, 1], "video[0]": [2], "tts[0]": [3]}
-    assert p.problems == ["no GPU left for a video job (1 GPUs each) on 4 GPUs"]
+    assert p.problems == ["video job worker 0 of 1 needs 1 GPUs; not enough free of 4"]
     assert not uses_gpus(load_profile("cpu")) and uses_gpus(load_profile("gpu"))
+
+
+def test_every_video_job_worker_gets_its_gpus():
+    """The job manager starts ``jobs.workers`` workers of ``gpus_per_job`` GPUs each: the plan places each one and
+    counts their GPUs when the profile does not say how many there are."""
+    from services.memory_plan import plan
+
+    data = load_profile("gpu").model_dump(mode="json")
+    data["video"]["engine"]["jobs"]["workers"] = 2
+    data["ray"]["num_gpus"] = None
+    p = plan(parse_profile(data), 80 * GB)
+    assert {pl.owner: pl.gpus for pl in p.placements} == {"vlm[0]": [0, 1], "tts[0]": [2],
+                                                          "video job worker 0": [3], "video job worker 1": [4]}
+    assert p.problems == []
+    p = plan(parse_profile(data), 80 * GB, n_gpus=4)
+    assert p.problems == ["video job worker 1 of 2 needs 1 GPUs; not enough free of 4"]
 
 
 def test_kv_formula_equals_the_cache_transformers_really_allocates():
