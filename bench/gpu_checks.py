@@ -6,16 +6,30 @@ on CUDA), one spoken sentence (TTSEngine). Minutes.
 
 ``scale``: real-size architectures, full depth, random weights (``configs/published``), bf16, on one GPU:
 - Wan2.1-T2V-1.3B at 480x832x81 (21 x 30 x 52 = 32,760 tokens): one denoising step (two transformer calls, CFG)
-  dense vs block-sparse at keep 0.125, and ``--video-steps`` steps end to end (+ the Wan2.1 VAE decode);
+  dense vs block-sparse at keep 0.125, and ``--video-steps`` steps end to end (+ the Wan2.1 VAE decode); then
+  bench/video_speed.py's lever table on the same transformer (:func:`wan21_step_table`): ``--table-steps``-step
+  Euler loops, one call a step, dense, sparse 0.125, each step cache (mag / first_block / taylorseer), sparse +
+  cache, the gpu profile's distilled step count (3): loop time, time per step, speed-up vs dense;
 - Orpheus 3B + SNAC 24 kHz through TTSEngine: time to first audio (TTFA) and 1/2/4 concurrent streams, each
   stream's real-time factor (audio seconds per wall second; >= 1 keeps up);
 - MoonViT (27 x 1152) + projector + GLM-4-9B-0414 through VLMEngine (transformers backend): image-QA TTFT and
   decode tokens/s.
 Prints one table. Random weights: the point is time and memory at the real sizes, not the output.
 
+Time budget (estimated, not measured: no GPU has run it yet). One Wan2.1-1.3B call at 32,760 tokens is ~2.8e14
+FLOPs (30 blocks: linear layers 2 x 32,760 x 41.7M weights = 0.82e14 in all, self-attention 4 x 32,760^2 x 1536
+= 2.0e14 in all, cross-attention 0.03e14); at 40% of the H200's 989 TFLOP/s dense bf16 that is ~0.7 s, with a 2x
+margin 1.4 s. The Wan part makes at most 56 calls (per-step rows and two 10-step CFG runs) + 2 VAE decodes, the
+lever table at most 187 (MagCache calibration 20, sparse warm-up 4, 8 rows of 20, distilled 3; cached and sparse
+rows compute less): 243 calls, ~3 min nominal, ~6 min with the margin, leaving ~4 min for the VAE decodes,
+Orpheus and GLM-4-9B, so the run stays under 10 minutes at the default ``--table-steps 20`` (50, Wan's default
+count, makes the table ~460 calls: over budget with the margin; per-step times scale to it).
+
 ``--dry-run`` (CPU, seconds, no CUDA call): imports, argument parsing, the profile and the fullsize configs,
-every real-size model built on the meta device (parameter counts and shapes), and the latent grid and tile layout
-of the 480x832x81 clip. Usage: ``python bench/gpu_checks.py check|scale [--dry-run]``.
+every real-size model built on the meta device (parameter counts and shapes), the latent grid and tile layout
+of the 480x832x81 clip, and the lever table's rows run once on a tiny Wan on the CPU (the gpu profile's cache
+options and fast profile resolved through video/cache.py and video/lora.py; no figure printed).
+Usage: ``python bench/gpu_checks.py check|scale [--dry-run]``.
 """
 
 from __future__ import annotations
@@ -112,8 +126,9 @@ def run_check(dry_run: bool) -> list[tuple[str, str, str]]:
 # ----------------------------------------------------------------------------------------------------- scale
 
 
-def wan21_video(device: str, dry_run: bool, steps: int, keep: float) -> list[tuple[str, str, str]]:
-    """Wan2.1-1.3B at 480x832x81: per step and end to end, dense vs sparse."""
+def wan21_video(device: str, dry_run: bool, steps: int, keep: float, table_steps: int,
+                table_rounds: int) -> list[tuple[str, str, str]]:
+    """Wan2.1-1.3B at 480x832x81: per step and end to end, dense vs sparse; then :func:`wan21_step_table`."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
@@ -133,7 +148,7 @@ def wan21_video(device: str, dry_run: bool, steps: int, keep: float) -> list[tup
     rows = [("Wan2.1-1.3B transformer", f"{params / 1e9:.2f}B params",
              f"grid {grid} = {math.prod(grid)} tokens, {layout.n_blocks} blocks of 128")]
     if dry_run:
-        return rows
+        return rows + wan21_step_table(None, grid, True, table_steps, table_rounds, keep)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=5.0)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler)
@@ -180,7 +195,52 @@ def wan21_video(device: str, dry_run: bool, steps: int, keep: float) -> list[tup
     rows.append((f"Wan2.1 {steps} steps + VAE, dense", f"{e2e_dense:.1f} s", ""))
     rows.append((f"Wan2.1 {steps} steps + VAE, sparse", f"{e2e_sparse:.1f} s",
                  f"{e2e_dense / e2e_sparse:.2f}x (first 25% of steps dense)"))
-    del pipe, transformer, vae
+    del pipe, vae
+    torch.cuda.empty_cache()
+    rows += wan21_step_table(transformer, grid, False, table_steps, table_rounds, keep)
+    del transformer
+    return rows
+
+
+def wan21_step_table(transformer, grid: tuple[int, int, int], dry_run: bool, steps: int, rounds: int,
+                     keep: float) -> list[tuple[str, str, str]]:
+    """bench/video_speed.py's part B table (:func:`bench.video_speed.step_rows`) on ``transformer`` (the full
+    30-block Wan2.1-1.3B, bf16, CUDA) at the token ``grid``: Euler loops of ``steps`` steps, one call a step (no
+    CFG), dense, sparse ``keep``, each step cache with the gpu profile's cache options (MagCache ratios calibrated
+    on these weights first), sparse + cache, and the gpu profile's distilled step count (``video.engine.fast``;
+    a fused LoRA has the base weights' shapes, so the row is the step count's cost). Rows: loop time (the whole
+    denoising loop; text encoding and VAE decode are the same for every row), time per step, speed-up vs dense.
+
+    ``dry_run``: ``transformer`` is unused; the gpu profile's cache and fast configs are resolved (every
+    diffusers cache config, the fast scheduler of ``video/lora.py``) and the same rows run once on the CPU on a
+    tiny Wan (2 blocks, 2 x 16 heads, 2 x 8 x 16 tokens, 4 steps): seconds, no figure printed."""
+    import torch
+    from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+
+    from bench.video_speed import step_rows
+    from services.profiles import load_profile
+    from video.lora import fast_scheduler
+
+    video = load_profile("gpu").video.engine
+    base = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                   num_train_timesteps=1000, flow_shift=video.flow_shift)
+    fast_name = type(fast_scheduler(base, video.fast)).__name__
+    n_fast = video.fast.num_inference_steps
+    if dry_run:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        tiny = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "ffn_dim": 64}
+        transformer = WanTransformer3DModel(**(fullsize_config("wan21_t2v_1_3b_transformer") | tiny)).eval()
+        grid, steps, rounds = (2, 8, 16), 4, 1
+    measured = step_rows(transformer, grid, steps, n_fast, rounds, video.cache, keep)
+    rows = [("Wan2.1 loop table", f"{steps} Euler steps", f"{math.prod(grid)} tokens, 1 call/step, no CFG, median "
+             f"of {rounds}; distilled = gpu profile fast: {n_fast} steps, {fast_name}")]
+    dense = measured[0][2]
+    for name, n, t in measured:
+        if dry_run:
+            rows.append((f"Wan2.1 loop: {name}", "ran (tiny, CPU)", f"{n} steps"))
+        else:
+            rows.append((f"Wan2.1 loop: {name}", f"{t:.1f} s", f"{t / n:.2f} s/step, {dense / t:.2f}x vs dense"))
     return rows
 
 
@@ -288,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU only: imports, configs, meta-device shapes")
     ap.add_argument("--video-steps", type=int, default=10, help="denoising steps of the end-to-end Wan2.1 run")
     ap.add_argument("--keep", type=float, default=0.125)
+    ap.add_argument("--table-steps", type=int, default=20, help="full step count of the Wan2.1 loop table")
+    ap.add_argument("--table-rounds", type=int, default=1, help="loops timed per row of that table (median)")
     ap.add_argument("--streams", default="1,2,4")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
@@ -301,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "check":
         rows = run_check(args.dry_run)
     else:
-        rows = wan21_video(device, args.dry_run, args.video_steps, args.keep)
+        rows = wan21_video(device, args.dry_run, args.video_steps, args.keep, args.table_steps,
+                           args.table_rounds)
         if not args.dry_run:
             torch.cuda.empty_cache()
         rows += orpheus_tts(device, args.dry_run, tuple(int(s) for s in args.streams.split(",")))
@@ -313,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     name = f"gpu_{args.mode}{' --dry-run' if args.dry_run else ''}"
     print(f"{name}: {'CPU, meta device' if args.dry_run else torch.cuda.get_device_name()}, "
           f"{time.perf_counter() - t0:.1f} s")
-    print(f"{'what':<36} {'figure':>18}  note")
+    print(f"{'what':<40} {'figure':>18}  note")
     for what, fig, note in rows:
-        print(f"{what:<36} {fig:>18}  {note}")
+        print(f"{what:<40} {fig:>18}  {note}")
     return 0
 
 

@@ -128,12 +128,43 @@ class Loop:
         return x
 
 
+def step_rows(tr, grid, steps: int, fast_steps: int, rounds: int, options: StepCacheConfig | None = None,
+              sparsity: float = 0.125) -> list[tuple[str, int, float]]:
+    """Part B's measurement on the ``WanTransformer3DModel`` ``tr`` (any width/depth >= 2 blocks, on its own
+    device and dtype) over the latent token grid ``grid`` (F, H, W): MagCache ratios calibrated on ``tr`` first
+    (into a copy of ``options``, default ``StepCacheConfig()``), warm-up, then per row (name, steps, median wall
+    seconds of ``rounds`` Euler loops of ``steps`` calls): dense, sparse ``sparsity``, each cache, sparse + each
+    cache, and dense at ``fast_steps`` (the distilled step count). Raises ValueError as ``video.cache`` does."""
+    from video.config import SparseAttentionConfig
+    from video.sparse_attention import sparse_attention
+
+    p = next(tr.parameters())
+    loop = Loop(tr, grid, p.device, p.dtype)
+    options = (options or StepCacheConfig()).model_copy(deep=True)
+    options.mag.mag_ratios = calibrate_mag_ratios(loop, steps)  # also the dense warm-up
+    sparse_cfg = SparseAttentionConfig()
+
+    def job(sparse=None, cache=None, n=steps):
+        def run():
+            with step_cache(tr, cache, options, n):
+                if sparse is None:
+                    loop(n)
+                else:
+                    with sparse_attention(tr, sparsity=sparse, num_inference_steps=n, config=sparse_cfg):
+                        loop(n)
+        return run
+
+    job(sparsity, n=min(steps, 4))()  # warm-up of the sparse path (flex_attention compilation on CUDA)
+    rows = [("dense", steps, job()), (f"sparse {sparsity}", steps, job(sparsity))]
+    rows += [(f"cache {c}", steps, job(cache=c)) for c in CACHES]
+    rows += [(f"sparse {sparsity} + {c}", steps, job(sparsity, c)) for c in CACHES]
+    rows += [(f"distilled: {fast_steps} steps", fast_steps, job(n=fast_steps))]
+    return [(name, n, timed(fn, rounds)) for name, n, fn in rows]
+
+
 def per_step(args) -> None:
     """Part B (module doc)."""
     from diffusers import WanTransformer3DModel
-
-    from video.config import SparseAttentionConfig
-    from video.sparse_attention import sparse_attention
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -142,29 +173,7 @@ def per_step(args) -> None:
                                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=args.layers,
                                cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)
     tr = tr.to(device, dtype).eval()
-    loop = Loop(tr, args.grid, device, dtype)
-    ratios = calibrate_mag_ratios(loop, args.steps)
-    options = StepCacheConfig().model_copy(deep=True)
-    options.mag.mag_ratios = ratios
-    sparse_cfg = SparseAttentionConfig()
-
-    def job(sparsity=None, cache=None, steps=args.steps):
-        def run():
-            with step_cache(tr, cache, options, steps):
-                if sparsity is None:
-                    loop(steps)
-                else:
-                    with sparse_attention(tr, sparsity=sparsity, num_inference_steps=steps, config=sparse_cfg):
-                        loop(steps)
-        return run
-
-    job()()  # warm-up (and flex_attention compilation on CUDA)
-    job(0.125)()
-    rows = [("dense", job()), ("sparse 0.125", job(0.125))]
-    rows += [(f"cache {c}", job(cache=c)) for c in CACHES]
-    rows += [(f"sparse 0.125 + {c}", job(0.125, c)) for c in CACHES]
-    rows += [(f"distilled: {args.fast_steps} steps", job(steps=args.fast_steps))]
-    out = [(name, timed(fn, args.rounds)) for name, fn in rows]
+    out = [(name, t) for name, _, t in step_rows(tr, args.grid, args.steps, args.fast_steps, args.rounds)]
     f, h, w = args.grid
     table(f"B. real-width Wan2.1-1.3B transformer, {args.layers} of 30 layers, {f}x{h}x{w} = {f * h * w:,} tokens, "
           f"{args.steps} steps (1 call each), {dtype}, {device}, median of {args.rounds}", out)

@@ -5,6 +5,9 @@
   parameters), so a mistyped width cannot pass.
 - bench/gpu_check.sh and bench/gpu_scale.sh run with --dry-run (imports, argument parsing, profile and configs,
   meta-device shapes) so they cannot rot; make smoke-fullsize itself runs outside make test (minutes).
+- gpu_scale's lever table (bench/video_speed.py's rows, bench/gpu_checks.py wan21_step_table): its dry run runs
+  every row once on a tiny Wan on the CPU with the gpu profile's cache options and fast step count, and prints
+  each row once, with its step count and no figure.
 """
 
 import json
@@ -58,10 +61,34 @@ def test_meta_models_have_the_published_sizes():
     assert glm.lm_head.weight.shape == (151552, 4096) and vit.config.hidden_size == 1152
 
 
+LEVER_ROWS = ["dense", "sparse 0.125", "cache mag", "cache first_block", "cache taylorseer", "sparse 0.125 + mag",
+              "sparse 0.125 + first_block", "sparse 0.125 + taylorseer", "distilled: 3 steps"]
+
+
+def _check_lever_table(stdout: str) -> None:
+    """gpu_scale --dry-run's lever table: the header names the gpu profile's fast profile, every row appears
+    once in order with its step count (4 full, the fast profile's 3) and no figure."""
+    from services.profiles import load_profile
+
+    assert load_profile("gpu").video.engine.fast.num_inference_steps == 3  # the distilled row's step count
+    lines = stdout.splitlines()
+    head = [ln for ln in lines if ln.startswith("Wan2.1 loop table")]
+    assert len(head) == 1 and "4 Euler steps" in head[0] and "256 tokens" in head[0], stdout
+    assert "distilled = gpu profile fast: 3 steps, FlowMatchEulerDiscreteScheduler" in head[0]
+    rows = [ln for ln in lines if ln.startswith("Wan2.1 loop: ")]
+    names = [ln[len("Wan2.1 loop: "):].split("  ")[0].strip() for ln in rows]
+    assert names == LEVER_ROWS, stdout
+    for ln, name in zip(rows, names):
+        steps = 3 if name.startswith("distilled") else 4
+        assert ln.split()[-2:] == [str(steps), "steps"] and "ran (tiny, CPU)" in ln, ln
+    assert " s/step" not in stdout and "x vs dense" not in stdout  # no figure from a CPU dry run
+
+
 @pytest.mark.parametrize("script,expect", [
     ("gpu_check.sh", ["gpu_check --dry-run", "cpu profile"]),
     ("gpu_scale.sh", ["gpu_scale --dry-run", "Wan2.1-1.3B transformer", "(21, 30, 52) = 32760 tokens",
-                      "296 blocks", "GLM-4-9B-0414", "9.40B params", "Orpheus 3B LM", "MoonViT tower"]),
+                      "296 blocks", "GLM-4-9B-0414", "9.40B params", "Orpheus 3B LM", "MoonViT tower",
+                      *(f"Wan2.1 loop: {r}" for r in LEVER_ROWS)]),
 ])
 def test_gpu_scripts_dry_run(script, expect):
     proc = subprocess.run(["bash", str(ROOT / "bench" / script), "--dry-run"], capture_output=True, text=True,
@@ -69,6 +96,8 @@ def test_gpu_scripts_dry_run(script, expect):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for text in expect:
         assert text in proc.stdout, proc.stdout
+    if script == "gpu_scale.sh":
+        _check_lever_table(proc.stdout)
 
 
 def test_gpu_scripts_reject_a_bad_argument():
