@@ -58,7 +58,13 @@ def ray_cluster(profile):
 
     from services.serve_app import init_ray
 
+    if ray.is_initialized() and ray.cluster_resources().get("CPU") != 4:
+        # something earlier in the session started a default Ray (ray.get_actor and friends auto-initialise one,
+        # with as many CPUs as the machine has: 2 here); the service and the job workers need the 4 logical CPUs
+        # of this fixture (with 2, the second video job worker waits forever for its CPU share)
+        ray.shutdown()
     init_ray(profile, num_cpus=4, num_gpus=2)
+    assert ray.cluster_resources().get("CPU") == 4 and ray.cluster_resources().get("GPU") == 2
     yield ray
     ray.shutdown()
 

@@ -142,8 +142,7 @@ def test_gpu_profile_fits_80_and_141_gb_gpus_as_configured(gpu_gb):
     assert p.used[3] / GIB < 30  # one video job at 1152x800x121 (the limits' largest clip)
 
 
-def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbers(tmp_path):
-    import ray
+def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbers(tmp_path, monkeypatch):
     import yaml
     from typer.testing import CliRunner
 
@@ -161,9 +160,11 @@ def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbe
     prof.write_text(yaml.safe_dump(data))
     with pytest.raises(PlanError, match="profile gpu does not fit its GPUs"):
         check(load_profile(prof))
+    ray_starts = []  # refused before Ray starts (another test of the session may have a Ray running already)
+    monkeypatch.setattr("services.serve_app.init_ray", lambda *a, **k: ray_starts.append(a))
     r = CliRunner().invoke(cli, ["serve", "--profile", str(prof)])
     assert r.exit_code == 2 and "does not fit" in r.output and "GPU 3:" in r.output, r.output
-    assert not ray.is_initialized()  # refused before Ray starts
+    assert ray_starts == []
     data["vlm"]["engine"]["vllm"]["gpu_memory_utilization"] = 0.3        # 0.3 x 24 GiB < 8.75 GiB of weights
     data["ray"]["gpu_memory_gib"] = 24
     prof.write_text(yaml.safe_dump(data))
