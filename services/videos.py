@@ -18,6 +18,7 @@ router raises the matching APIError. Every 4xx carries a stable ``code``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import json
@@ -77,8 +78,15 @@ class Deployment:
         self.manager = get_manager(self.cfg.model_dump(mode="json"), model_dir, self.section.model_id)
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the job manager. A caller that went away (Serve cancels this request, and with it the actor
+        call) ends as ``asyncio.CancelledError``, which Serve logs as CANCELLED, not as a failed request with a
+        traceback; the manager's own errors are unwrapped from Ray's wrapper."""
+        import ray
+
         try:
             return await getattr(self.manager, method).remote(*args, **kwargs)
+        except ray.exceptions.TaskCancelledError:
+            raise asyncio.CancelledError() from None
         except Exception as exc:  # noqa: BLE001 - the manager's JobError, unwrapped from Ray's wrapper
             raise unwrap(exc) from None
 

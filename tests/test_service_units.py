@@ -312,3 +312,35 @@ def test_chat_lone_surrogate_is_a_400_without_a_traceback(profile, caplog):
     with caplog.at_level("WARNING"):
         asyncio.run(go())
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info], caplog.text
+
+
+def test_video_call_cancelled_by_serve_ends_as_cancelled_not_as_a_failure():
+    """A client that drops a request (a readiness poll that times out while the service loads) makes Serve cancel
+    the video replica's actor call: Ray raises TaskCancelledError there. It must end as asyncio.CancelledError
+    (Serve logs CANCELLED) and not as a failed request with a traceback, which a fresh-clone run caught in the
+    shutdown test's log. The stand-in manager raises what Ray raises; the manager's own errors still unwrap."""
+    import ray
+
+    from services.jobs import JobError
+    from services.videos import Deployment
+
+    class _Method:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def remote(self, *args, **kwargs):
+            async def fail():
+                raise self.exc
+            return fail()
+
+    class _Manager:
+        ping = _Method(ray.exceptions.TaskCancelledError())
+        get = _Method(JobError(404, "no such video", code="video_not_found", param="video_id"))
+
+    dep = object.__new__(Deployment)
+    dep.manager = _Manager()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(dep.ready())
+    with pytest.raises(JobError) as ei:
+        asyncio.run(dep._call("get", "video_x"))
+    assert ei.value.status_code == 404
