@@ -67,7 +67,7 @@ class ServerSpec:
     may take (generous: a busy 2-core machine must not look like a hung engine); ``max_health_failures``: consecutive
     failed checks of a ready server before it is killed and restarted; ``max_start_failures``: consecutive
     failed starts before giving up (state ``failed``); ``log_path``: where its stdout/stderr go (a temporary
-    file when None).
+    file when None, removed by ``stop()``).
     """
 
     python: str
@@ -105,6 +105,7 @@ class ServerProcess:
         self._ready = threading.Event()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._owns_log = spec.log_path is None  # a temporary log is ours to remove when stopped
         self.log_path = spec.log_path or tempfile.mkstemp(prefix="engine-", suffix=".log")[1]
 
     # ---------------------------------------------------------------------------------------- public
@@ -150,12 +151,15 @@ class ServerProcess:
             return self.state == "ready"
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop supervising and terminate the server's process group (SIGTERM, SIGKILL after ``grace_s``)."""
+        """Stop supervising and terminate the server's process group (SIGTERM, SIGKILL after ``grace_s``).
+        A temporary log (no ``spec.log_path``) is removed then: read ``log_tail()`` before stopping."""
         self._stop.set()
         self._terminate(grace_s)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=grace_s + 5)
         self._set_state("stopped")
+        if self._owns_log:
+            Path(self.log_path).unlink(missing_ok=True)
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         """The last ``n_bytes`` of the server's log (for error messages)."""

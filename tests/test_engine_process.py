@@ -109,8 +109,10 @@ def test_starts_restarts_after_death_and_stops_the_whole_group(spec):
         assert len(pids_of(spec)) == 2 and s.server_pid == pids_of(spec)[1][0] != server
         assert s.last_error == "engine process exited with code 137"  # the guard reports its command's SIGKILL
     finally:
+        log = s.log_path
         s.stop()
     assert s.state == "stopped" and s.pid is None
+    assert not os.path.exists(log)  # its temporary log goes with it (they piled up in /tmp before)
     assert wait_until(lambda: not group_members(pgid) and not group_members(s._proc.pid))
     assert not any(alive(p) for pair in pids_of(spec) for p in pair)
 
