@@ -145,18 +145,25 @@ def test_missing_interpreter_is_a_clear_error(spec):
         ServerProcess(spec).start()
 
 
-def test_never_orphaned_when_the_supervising_process_is_killed(spec):
+def start_supervisor_process(spec, tmp_path) -> tuple[subprocess.Popen, int]:
+    """Run a ServerProcess in a child Python process (the replica's place); returns that process and the guard's
+    process-group id once the stand-in server is ready. Its log goes to tmp_path (it is killed, not stopped)."""
+    fields = dict(spec.__dict__, log_path=str(tmp_path / "engine.log"))
     code = textwrap.dedent(f'''
         import sys, time
         from services.engine_process import ServerProcess, ServerSpec
-        s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
+        s = ServerProcess(ServerSpec(**{fields!r})).start()
         print("ready" if s.wait_ready({CEILING_S}) else "failed", s.pid, flush=True)
         time.sleep(600)
     ''')
     sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     line = sup.stdout.readline().split()
     assert line[0] == "ready"
-    pgid = int(line[1])
+    return sup, int(line[1])
+
+
+def test_never_orphaned_when_the_supervising_process_is_killed(spec, tmp_path):
+    sup, pgid = start_supervisor_process(spec, tmp_path)
     (server, worker), = pids_of(spec)
     assert set(group_members(pgid)) == {pgid, server, worker}
     sup.kill()  # SIGKILL: no atexit, no finally; only the kernel's parent-death signal is left
@@ -191,20 +198,10 @@ def test_completion_request_body():
         CompletionRequest(model="m", max_tokens=3).body()
 
 
-def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec):
+def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec, tmp_path):
     """Ray SIGKILLs a dying replica's children, the guard among them: the server dies with the guard
     (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (services/engine_site/sitecustomize.py)."""
-    code = textwrap.dedent(f'''
-        import sys, time
-        from services.engine_process import ServerProcess, ServerSpec
-        s = ServerProcess(ServerSpec(**{spec.__dict__!r})).start()
-        print("ready" if s.wait_ready({CEILING_S}) else "failed", s.pid, flush=True)
-        time.sleep(600)
-    ''')
-    sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    line = sup.stdout.readline().split()
-    assert line[0] == "ready"
-    pgid = int(line[1])
+    sup, pgid = start_supervisor_process(spec, tmp_path)
     (server, worker), = pids_of(spec)
     os.kill(pgid, signal.SIGKILL)  # the guard (the group leader), with no chance to sweep
     sup.kill()
