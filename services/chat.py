@@ -132,32 +132,14 @@ class Deployment:
         except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
             yield input_error_event(exc)
             return
-        if engine.backend == "vllm":
-            async for ev in self._vllm_events(prompt, params, response_format):
-                yield ev
-            return
-        yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
-        from grafting.collapse_guard import GuardReport
+        async for ev in self._events(prompt, params, response_format):
+            yield ev
 
-        report = GuardReport()
-        gen = self._guarded(prompt, params, None, report)
-        try:
-            async for d in gen:
-                if d.text or d.finish_reason is None:
-                    ev = {"type": "delta", "text": d.text}
-                    if d.logprob is not None:
-                        ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
-                    yield ev
-                if d.finish_reason is not None:
-                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
-                           **self._end_extras(report)}
-                    return
-        finally:
-            await gen.aclose()  # the client went away or the stream ended: the batcher drops the row
-
-    async def _vllm_events(self, prompt, params, response_format):
-        """``chat_stream``'s events from the vllm backend (a refusal by vLLM before the first token, such as a
-        schema it cannot compile, is an input error event like ours; an unavailable engine raises)."""
+    async def _events(self, prompt, params, response_format):
+        """``chat_stream``'s events after validation, the same for both backends: ``start``, ``delta``s, ``end``.
+        A refusal before the first token (vLLM cannot compile a schema; the context check) is an input error
+        event like ours; an unavailable engine raises. Closing this generator (the client went away) closes the
+        generation: the transformers batcher drops the row, vLLM aborts the request."""
         from grafting.collapse_guard import GuardReport
         from grafting.llm_client import EngineRequestError
 
@@ -165,15 +147,11 @@ class Deployment:
         gen = self._guarded(prompt, params, response_format, report)
         try:
             try:
-                first = await gen.__anext__()
-            except EngineRequestError as exc:
-                yield input_error_event(exc)
-                return
-            except ValueError as exc:  # the context check
+                d = await gen.__anext__()
+            except (EngineRequestError, ValueError) as exc:
                 yield input_error_event(exc)
                 return
             yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
-            d = first
             while True:
                 if d.text or d.finish_reason is None:
                     ev = {"type": "delta", "text": d.text}
