@@ -13,10 +13,7 @@ import argparse
 import base64
 import io
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,29 +22,11 @@ from pathlib import Path
 # in-process engine the same, before torch/numpy start their thread pools, or the comparison is unfair.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_rss(pid: int) -> int:
-    """Resident set size in bytes of a process and all its descendants."""
-    root = psutil.Process(pid)
-    total = 0
-    for p in [root] + root.children(recursive=True):
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+from bench.served import ServedChimera  # noqa: E402
 
 
 def main() -> None:
@@ -72,22 +51,9 @@ def main() -> None:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "What is in this picture?"}]}]
 
-    port = free_port()
-    server = subprocess.Popen([str(ROOT / ".venv/bin/chimera"), "serve", "--profile", args.profile,
-                               "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = ServedChimera(args.profile, ready_ceiling_s=600)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise SystemExit("service did not become ready")
+        base = server.base
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
         vlm = prof.vlm
         threads = vlm.deployment.torch_threads or torch.get_num_threads()
@@ -115,7 +81,7 @@ def main() -> None:
             t, n2 = over_http()
             http_t.append(t)
             assert n1 == n2, (n1, n2)
-        rss = tree_rss(server.pid)
+        rss = server.rss()
         e, h = statistics.median(eng_t), statistics.median(http_t)
         print(f"request: image QA (512x512 photo -> {engine.prepare(messages).num_image_tokens} image tokens), "
               f"{n1} completion tokens, greedy, {args.rounds} rounds alternated")
@@ -124,20 +90,9 @@ def main() -> None:
         print(f"ratio HTTP / in-process: {h / e:.3f}   (target <= 1.15)")
         print(f"service resident memory (whole process tree): {rss / 2**30:.2f} GiB   (target < 6 GB)")
     finally:
-        # SIGTERM to the CLI alone, as `kill <pid>` does: it stops Serve and then the Ray it started. (Signalling the
-        # whole group would kill Ray's own processes under the shutdown.)
         t0 = time.perf_counter()
-        server.send_signal(signal.SIGTERM)
-        try:
-            rc = server.wait(120)
-            print(f"service stop on SIGTERM: exit code {rc} after {time.perf_counter() - t0:.1f} s")
-        except subprocess.TimeoutExpired:
-            rc = None
-            print("service did not stop within 120 s of SIGTERM: killed")
-        try:
-            os.killpg(server.pid, signal.SIGKILL)  # anything of its process group still there (nothing, normally)
-        except ProcessLookupError:
-            pass
+        rc = server.stop()  # SIGTERM to the CLI alone, as `kill <pid>` does
+        print(f"service stop on SIGTERM: exit code {rc} after {time.perf_counter() - t0:.1f} s")
     if rc != 0:
         raise SystemExit(f"chimera serve exited with {rc} on SIGTERM")
 

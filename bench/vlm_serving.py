@@ -32,12 +32,8 @@ import io
 import json
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,6 +45,8 @@ import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.served import ServedChimera  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # A sensible request bounds what it asks for: with unbounded strings the small model ran on inside a string until
@@ -71,13 +69,6 @@ FACTS = " ".join(f"Fact {i}: the {c} box on shelf {i % 7} holds {i * 3 % 11} {o}
 TEXT_PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
                 "How do plants grow?", "Explain what a computer is.", "Describe a cat.",
                 "Why is the sky blue?", "Give me a tip for cooking rice."]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def photo_url(index: int) -> str:
@@ -121,57 +112,15 @@ def bench_profile(base: dict, backend: str, replicas: int = 1, spec: bool = Fals
     return prof
 
 
-class Service:
-    """``chimera serve`` on a free port with a profile dict, in its own process group (stopped on exit)."""
+class Service(ServedChimera):
+    """``chimera serve`` with a bench profile dict (bench/served.py), plus the VLM client calls measured here."""
 
     def __init__(self, profile: dict, timeout_s: float = 900):
-        self.profile = profile
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-        yaml.safe_dump(profile, self.tmp)
-        self.tmp.close()
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(ROOT / ".venv/bin/chimera"), "serve", "--profile", self.tmp.name,
-                                      "--port", str(self.port)], cwd=ROOT, stdout=self.log, stderr=self.log,
-                                     start_new_session=True)
-        t0 = time.time()
-        while time.time() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise SystemExit(f"service {profile['name']} exited; log: {self.log.name}")
-            try:
-                if httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            self.stop()
-            raise SystemExit(f"service {profile['name']} not ready after {timeout_s} s; log: {self.log.name}")
-        self.startup_s = time.time() - t0
+        super().__init__(profile, ready_ceiling_s=timeout_s)
         import openai
 
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=900)
         self.model = profile["vlm"]["model_id"]
-
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after 60 s; returns once every process of the group (Ray's and
-        vLLM's included) is gone, so the next measurement has the cores to itself."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        deadline = time.time() + 60
-        while _group_alive(self.proc.pid):
-            if time.time() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                deadline = time.time() + 30
-            time.sleep(0.5)
-        os.unlink(self.tmp.name)
 
     def chat(self, messages, **kw):
         """One non-streamed chat completion."""
@@ -189,16 +138,6 @@ class Service:
 
     def metrics(self) -> str:
         return httpx.get(f"{self.base}/metrics", timeout=30).text
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -340,25 +279,11 @@ def measure_backend(base: dict, backend: str, a) -> dict:
         res["json"] = json_rate(svc, a.json_requests)
         if backend == "vllm":
             res["spec_off"] = spec_run(svc, a.rounds)
-        res["rss_gib"] = tree_rss(svc.proc.pid) / 2 ** 30
+        res["rss_gib"] = svc.rss() / 2 ** 30
         res["http"], res["inproc"] = http_vs_in_process(svc, prof, a.rounds + 2, 16)
     finally:
         svc.stop()
     return res
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (Ray's workers and vLLM's processes included)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    total = 0
-    for p in [root] + root.children(recursive=True):
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
 
 
 def main() -> None:

@@ -13,20 +13,14 @@ from __future__ import annotations
 import base64
 import io
 import os
-import socket
 import time
 
-import httpx
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.engine_process import free_port  # noqa: E402  (tests import it from here)
+from services.readiness import wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -77,18 +71,7 @@ def serve_url(profile, model_dir, ray_cluster):
 
     port = free_port()
     url = run(profile, "127.0.0.1", port)
-    # /readyz also waits for vLLM's server (vlm.engine.backend: vllm), which takes 1-2 minutes on 2 busy cores;
-    # the ceiling only turns a hang into a failure (monotonic: a wall-clock step cannot cut it short), far above a slow machine's start-up
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        raise RuntimeError("service did not become ready")
+    wait_ready(url, 600)  # /readyz also waits for vLLM's server: 1-2 minutes on 2 busy cores
     yield url
     serve.shutdown()
 

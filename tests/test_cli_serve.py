@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
 
+from services.readiness import wait_ready
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,16 +50,10 @@ def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + READY_CEILING_S
-        while True:  # poll a condition (with a ceiling), not a sleep standing in for one
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "service did not become ready"
-            time.sleep(0.5)
+        try:
+            wait_ready(base, READY_CEILING_S, alive=lambda: proc.poll() is None)
+        except RuntimeError:
+            raise AssertionError(log_path.read_text()[-3000:]) from None
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         r = client.chat.completions.create(model="chimera-vlm", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0)
