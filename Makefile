@@ -43,7 +43,7 @@ serve: prepare
 	$(BIN)/chimera serve --profile $(PROFILE) --host $(HOST) --port $(PORT)
 
 test: prepare
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Each prints ratios measured side by side in one run (the machine is noisy; absolute times are not the point).
 # All of them run even if one fails; then make fails, naming the failed ones.
