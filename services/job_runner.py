@@ -55,7 +55,8 @@ class JobWorker:
 def run_video_job(engine, job_id: str, job_dir: str, params: dict, manager, where: dict) -> dict:
     """Run one video job on ``engine`` (a VideoEngine): generate, encode MP4 + thumbnail, save the last frame and
     the drift reference for later extensions. Reports to ``manager`` (the JobManager actor handle) where it runs
-    (``where``: :meth:`JobWorker.where`), then its progress.
+    (``where``: :meth:`JobWorker.where`; waited for, so the row names its device before the job can finish), then
+    its progress (fire-and-forget).
 
     ``params``: ``{"request": VideoRequest dict, "image": bool, "extend": {"frames": path, ...} | None}``.
     Returns ``{"frames", "fps", "started", "finished"}`` (wall-clock seconds measured in the worker). Raises
@@ -69,8 +70,12 @@ def run_video_job(engine, job_id: str, job_dir: str, params: dict, manager, wher
     from video.media import decode_video, encode_mp4, image_to_tensor, png_bytes, to_uint8
     from video.request import VideoRequest
 
+    import ray
+
     t0 = time.time()
-    manager.started.remote(job_id, where)
+    # awaited, not fire-and-forget: the manager records ``started`` only while the job is active, so a report
+    # still in flight when a short job's result arrived would be dropped and the row would name no device
+    ray.get(manager.started.remote(job_id, where))
     req = VideoRequest.from_dict(params["request"])
     jd = Path(job_dir)
     image, reference, prefix = None, None, None

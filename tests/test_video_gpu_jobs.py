@@ -15,7 +15,7 @@ import pytest
 
 from services.errors import APIError
 from services.job_manager import config_hash, get_manager
-from tests.test_video_jobs import LONG, _gone, _manager, _submit, _wait
+from tests.test_video_jobs import LONG, _gone, _manager, _no_manager_outlives_its_test, _submit, _wait  # noqa: F401
 from video.request import plan_request
 
 _DONE = ("completed", "failed", "cancelled")

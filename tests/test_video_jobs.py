@@ -16,6 +16,21 @@ from services.job_manager import JobError, JobManager
 from video.request import plan_request
 
 
+@pytest.fixture(autouse=True)
+def _no_manager_outlives_its_test(ray_cluster):
+    """Kill every test manager (namespace ``tests``) a test left alive: one that failed before its ``ray.kill``
+    would keep its job workers, each holding one of the session's 2 logical GPUs, and every later test's worker
+    would wait for a GPU forever."""
+    yield
+    ray = ray_cluster
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == "tests" and actor["name"].startswith(("test-jobs-", "test-mgr-")):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace="tests"), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
+
+
 def _manager(ray, profile, model_dir, tmp_path, name=None, **jobs):
     cfg = profile.video.engine.model_copy(deep=True)
     cfg.jobs = cfg.jobs.model_copy(update={"store_url": f"sqlite:///{tmp_path}/jobs.sqlite",
