@@ -70,19 +70,6 @@ async def _one(client, family: str, method: str, path: str, body: dict, results:
         results.append((family, f"lost: {type(exc).__name__}", time.perf_counter() - t0, None))
 
 
-def _members(server: ServedChimera, marker: str):
-    import psutil
-
-    out = []
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if marker in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
 def main() -> int:
     """Run the burst and the 30 MB check (module doc); print the table and figures. Returns the exit status."""
     import httpx
@@ -138,7 +125,7 @@ def main() -> int:
                 failures.append(f"{fam}: no request succeeded")
 
         # 30 MB body: refused at the edge, and nothing grows
-        procs = {m: _members(server, m) for m in ("ServeReplica:chimera:ingress", "ProxyActor",
+        procs = {m: server.members(m) for m in ("ServeReplica:chimera:ingress", "ProxyActor",
                                                    "ServeReplica:chimera:vlm")}
         before = {m: sum(p.memory_info().rss for p in ps) for m, ps in procs.items()}
         body = b'{"model": "chimera-vlm", "messages": [{"role": "user", "content": "' + b"x" * BIG_BODY + b'"}]}'

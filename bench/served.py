@@ -60,6 +60,18 @@ class ServedChimera:
         """Resident bytes of the whole service process tree now."""
         return tree_rss(self.proc.pid)
 
+    def members(self, marker: str) -> list[psutil.Process]:
+        """Processes of the service tree whose command line (Ray's process title, e.g.
+        ``ServeReplica:chimera:tts``, ``JobManager``, ``ProxyActor``) contains ``marker``."""
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if marker in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
     def stop(self, grace_s: float = 120) -> int | None:
         """SIGTERM to the CLI alone (as `kill <pid>` does: it stops Serve, then the Ray it started), SIGKILL to
         its group after ``grace_s`` seconds; returns once no process of the group is left. Returns the CLI's exit

@@ -236,16 +236,9 @@ def reject_invalid_unicode(value: Any, path: str = "") -> None:
     ``param`` is the field's path, e.g. ``messages[0].content[1].text`` (``path`` prefixes it); a bad key is named
     by its parent's path and the key with the surrogate escaped. Cost: strings that are pure ASCII (base64 images,
     most text) are skipped in O(1); others are scanned once."""
-    from .errors import APIError
+    from grafting.unicode import has_lone_surrogate as bad
 
-    def bad(s: str) -> bool:
-        if s.isascii():
-            return False
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
+    from .errors import APIError
 
     def fail(where: str, what: str):
         raise APIError(400, f"{where or 'request body'}: {what} holds a lone UTF-16 surrogate, which is not valid "

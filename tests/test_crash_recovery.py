@@ -42,18 +42,6 @@ FAST = {"prompt": "a red square", "seconds": "4", "size": "32x32", "num_inferenc
 SLOW = {"prompt": "slow", "seconds": "32", "size": "128x128", "num_inference_steps": 50}
 
 
-def _procs(root_pid: int, marker: str) -> list[psutil.Process]:
-    """Processes of the service tree whose command line (Ray's process title) contains ``marker``."""
-    out = []
-    for p in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if marker in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
-
-
 def _kill9(procs: list[psutil.Process]) -> None:
     for p in procs:
         try:
@@ -122,7 +110,7 @@ def test_kill9_replica_manager_and_whole_service(tmp_path):
         assert a_bytes[4:8] == b"ftyp"
 
         # 2. one replica
-        tts = _procs(svc.proc.pid, "ServeReplica:chimera:tts")
+        tts = svc.members("ServeReplica:chimera:tts")
         assert len(tts) == 1
         _kill9(tts)
         assert _job(base, a["id"])["status"] == "completed"  # the other families answer meanwhile
@@ -133,7 +121,7 @@ def test_kill9_replica_manager_and_whole_service(tmp_path):
         # 3. the job manager alone, while B runs
         b = _create(base, SLOW)
         _until(MANAGER_CEILING_S, _running(base, b["id"]), "job B starts")
-        managers = _procs(svc.proc.pid, "JobManager")
+        managers = svc.members("JobManager")
         assert len(managers) == 1
         _kill9(managers)
         b_after, figures["manager_back_s"] = _until(

@@ -12,30 +12,12 @@ import copy
 import pytest
 import torch
 
+from tests.test_video_engine import cfg, engine, photo  # noqa: F401  (the module-scoped engine fixtures)
 from video.chaining import Clip, chain_clips, clip_seeds
 from video.drift import mean_luma
 from video.request import RequestError, plan_request
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def cfg(profile):
-    return profile.video.engine
-
-
-@pytest.fixture(scope="module")
-def engine(cfg, model_dir):
-    from video.engine import VideoEngine
-
-    return VideoEngine(cfg, model_dir)
-
-
-@pytest.fixture(scope="module")
-def photo(astronaut):
-    from video.media import image_to_tensor
-
-    return image_to_tensor(astronaut, 64, 64)
 
 
 def _gpu_cfg():
