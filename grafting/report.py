@@ -47,3 +47,33 @@ def markdown_table(results: dict) -> str:
     if chance:
         lines.append("| chance | - | " + " | ".join(_pct(chance.get(t)) for t in TYPES) + " | | |")
     return "\n".join(lines)
+
+
+VARIED_TYPES = ("colour", "shape", "count", "yesno", "multi", "size", "position")
+
+
+def varied_table(ev: dict) -> str:
+    """One ``chimera graft eval --generate`` result (held-out phrasings x held-out renderings) as Markdown:
+    per question type the multiple-choice accuracy with the image, shuffled and blind, the generated-answer
+    accuracy, chance and n; then the one-word format check."""
+    types = [t for t in VARIED_TYPES if t in ev.get("chance", {})]
+    lines = ["| | " + " | ".join(types) + " |", "|" + "---|" * (len(types) + 1)]
+    for cond, label in (("image", "multiple choice, image"), ("shuffled", "multiple choice, shuffled image"),
+                        ("blind", "multiple choice, blind")):
+        if cond in ev:
+            lines.append(f"| {label} | " + " | ".join(_pct1(ev[cond]["by_type"].get(t)) for t in types) + " |")
+    gen = ev.get("generated")
+    if gen:
+        lines.append("| generated (greedy), image | " + " | ".join(_pct1(gen["accuracy"].get(t)) for t in types) + " |")
+    lines.append("| chance | " + " | ".join(_pct1(ev["chance"][t]) for t in types) + " |")
+    n = ev.get("image", ev.get("blind", {})).get("by_type_n", {})
+    lines.append("| n | " + " | ".join(str(n.get(t, "-")) for t in types) + " |")
+    if gen:
+        lines.append("")
+        lines.append(f"One-word instruction obeyed (generated text is one word): {_pct1(gen['format_obeyed'])} "
+                     f"of {gen['format_n']}.")
+    return "\n".join(lines)
+
+
+def _pct1(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
