@@ -77,3 +77,26 @@ def varied_table(ev: dict) -> str:
 
 def _pct1(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def smoothed(losses: list[float], window: int = 25) -> list[float]:
+    """Trailing moving average of a loss curve (the first values average what exists so far)."""
+    return [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+
+
+def plateau_step(losses: list[float], window: int = 25, tol: float = 0.05) -> int | None:
+    """The first step (1-based) from which the smoothed curve (:func:`smoothed`) never falls more than ``tol``
+    (relative) below its value there, i.e. where the curve has flattened; None when even the last ``window``
+    steps still fall by more than that (not flat yet) or the curve is shorter than ``2 * window``."""
+    s = smoothed(losses, window)
+    if len(s) < 2 * window:
+        return None
+    tail_min = s[-1]
+    suffix_min = [0.0] * len(s)
+    for i in range(len(s) - 1, -1, -1):
+        tail_min = min(tail_min, s[i])
+        suffix_min[i] = tail_min
+    for i, v in enumerate(s):
+        if v - suffix_min[i] <= tol * v:
+            return i + 1 if i + 1 <= len(s) - window else None
+    return None

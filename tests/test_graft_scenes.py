@@ -135,3 +135,16 @@ def test_tower_pretraining_on_scenes_runs_its_heads(tmp_path):
     m = pretrain_tower(cfg, tmp_path, log=lambda s: None)
     assert set(m["test_probe_accuracy"]) == set(sc.TOWER_HEADS) and len(m["loss"]) == 2
     assert (tmp_path / "pretrain_metrics.json").is_file()
+
+
+def test_plateau_step_finds_where_a_curve_flattens():
+    from grafting.report import plateau_step, smoothed
+
+    assert smoothed([4.0, 2.0, 0.0], window=2) == [4.0, 3.0, 1.0]
+    curve = [1.0 / (1 + i) for i in range(100)] + [0.01] * 200
+    step = plateau_step(curve, window=10, tol=0.05)
+    # at step 100 the window holds 1/91..1/100 (mean 0.01050), within 5% of the floor 0.01; at step 90
+    # (1/81..1/90, mean 0.01168) it is not
+    assert 90 < step <= 100
+    assert plateau_step([1.0 - 0.01 * i for i in range(60)], window=10) is None  # still falling at the end
+    assert plateau_step([1.0] * 10, window=10) is None  # too short to say
