@@ -100,3 +100,20 @@ def plateau_step(losses: list[float], window: int = 25, tol: float = 0.05) -> in
         if v - suffix_min[i] <= tol * v:
             return i + 1 if i + 1 <= len(s) - window else None
     return None
+
+
+def collect_varied(arms: dict[str, dict], shipped_eval: str | Path, tower_metrics: dict[str, str | Path],
+                   out: str | Path | None = None, window: int = 25, tol: float = 0.05) -> dict:
+    """The issue-15 results in one dict (README, notebook): ``arms`` as for :func:`collect` plus each arm's
+    ``plateau_step`` (:func:`plateau_step` of its loss curve), the shipped graft's ``eval --generate`` JSON on
+    the held-out scenes, and the tower probe accuracies (``{label: pretrain_metrics.json}``); written to
+    ``out`` if given."""
+    runs = collect(arms)
+    for r in runs.values():
+        r["plateau_step"] = plateau_step(r["curve"]["loss"], window, tol)
+    res = {"arms": runs, "plateau": {"window": window, "tol": tol},
+           "shipped": json.loads(Path(shipped_eval).read_text()),
+           "tower_probe": {k: json.loads(Path(p).read_text())["test_probe_accuracy"] for k, p in tower_metrics.items()}}
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
+    return res
