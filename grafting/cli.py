@@ -29,6 +29,19 @@ def synth(out: Path = typer.Option(Path("runs/synth"), help="output folder"),
     typer.echo(json.dumps({k: str(v) for k, v in paths.items()}))
 
 
+@graft_app.command()
+def scenes(out: Path = typer.Option(Path("runs/scenes"), help="output folder"),
+           n_train: int = typer.Option(3000, help="training images (one caption row + one 3-turn QA row each)"),
+           n_test: int = typer.Option(150, help="held-out images (gradient backgrounds, held-out size band), "
+                                                "one held-out-phrasing question row per question type"),
+           seed: int = typer.Option(0), canvas: int = typer.Option(112, help="image side in pixels")):
+    """Write the varied scene dataset (grafting.scenes): everyday phrasings, held-out phrasings and renderings."""
+    from .scenes import write_dataset
+
+    paths = write_dataset(out, n_train, n_test, seed, canvas)
+    typer.echo(json.dumps({k: str(v) for k, v in paths.items()}))
+
+
 @graft_app.command("pretrain-tower")
 def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower (save_pretrained)"),
                        steps: int = typer.Option(1800), batch_size: int = typer.Option(32),
@@ -36,7 +49,8 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        hidden_size: int = typer.Option(192), layers: int = typer.Option(3),
                        heads: int = typer.Option(4), intermediate_size: int = typer.Option(512),
                        split: str = typer.Option("pretrain", help="synthetic split: pretrain (broad) or train"),
-                       init: str = typer.Option(None, help="continue from this tower folder")):
+                       init: str = typer.Option(None, help="continue from this tower folder"),
+                       source: str = typer.Option("synth", help="synth (grafting.synth) or scenes (grafting.scenes)")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
@@ -46,7 +60,8 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
     torch.manual_seed(seed)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
                                                num_attention_heads=heads, intermediate_size=intermediate_size),
-                              steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init)
+                              steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init,
+                              source=source)
     m = pretrain_tower(cfg, out, log=typer.echo)
     typer.echo(json.dumps({"test_probe_accuracy": m["test_probe_accuracy"], "seconds": round(m["seconds"], 1)}))
 
@@ -75,8 +90,11 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
              tower: str = typer.Option(None, help="override the tower named in graft.json"),
              llm_dtype: str = typer.Option("bfloat16"), limit: int = typer.Option(None, help="first N items"),
              types: str = typer.Option(None, help="comma list of question types to keep"),
+             generate: bool = typer.Option(False, help="also greedy-generate every answer (grafting.scenes test "
+                                                    "files): generated accuracy, one-word format check, table"),
              out: Path = typer.Option(None, help="write the results as JSON here")):
-    """Multiple-choice accuracy by answer likelihood, blind/shuffled baselines and text-only KL."""
+    """Multiple-choice accuracy by answer likelihood, blind/shuffled baselines and text-only KL; with
+    ``--generate`` also generated-answer accuracy and the format check, then a Markdown table."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -102,6 +120,13 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
         for d in gather_object([part]):
             merged.update(d)
         res[cond] = summarize(items, merged, cond)
+    if generate and acc.is_main_process:
+        from .data import read_jsonl
+        from .freeform import evaluate_generated
+
+        keep = {it.id for it in items}
+        rows = [r for r in read_jsonl(data) if r["id"] in keep]
+        res["generated"] = evaluate_generated(vlm, processor, rows, progress=True)
     if kl and acc.is_main_process:
         from transformers import AutoModelForCausalLM
 
@@ -116,6 +141,10 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
         typer.echo(text)
+        if generate:
+            from .report import varied_table
+
+            typer.echo(varied_table(res))
 
 
 @graft_app.command()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from .config import TowerBuild
@@ -25,13 +25,15 @@ from .tower import build_random_tower, build_tower_config
 
 HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS), "size": list(SIZES),
          "position": list(POSITIONS) + [None]}
+SOURCES = ("synth", "scenes")  # grafting.synth (the seed's generator) or grafting.scenes (varied, issue 15)
 
 
 class PretrainTowerConfig(BaseModel):
     """Tower sizes (:class:`~grafting.config.TowerBuild`), optimisation (steps, batch of images, AdamW peak lr
     with 5% warmup then cosine), image canvas in pixels, the processor's longest side in pixels, the synthetic
-    split drawn from (``pretrain``: broad; ``train``: the graft's training ranges) and an optional tower folder
-    to continue from (``init``; its sizes win over ``tower``)."""
+    split drawn from (``pretrain``: broad; ``train``: the graft's training ranges; with ``source: scenes`` the
+    :mod:`grafting.scenes` train split, whatever ``split`` says, and its :data:`~grafting.scenes.TOWER_HEADS`)
+    and an optional tower folder to continue from (``init``; its sizes win over ``tower``)."""
 
     model_config = ConfigDict(extra="forbid")
     tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
@@ -46,11 +48,20 @@ class PretrainTowerConfig(BaseModel):
     seed: int = 0
     split: str = "pretrain"
     init: str | None = None
+    source: str = Field("synth", pattern="^(synth|scenes)$")
 
 
 def _labels(scenes) -> dict[str, torch.Tensor]:
-    field = {"colour": "colour", "shape": "shape", "count": "count", "size": "size", "position": "position"}
-    return {k: torch.tensor([HEADS[k].index(getattr(s, field[k])) for s in scenes]) for k in HEADS}
+    return {k: torch.tensor([HEADS[k].index(getattr(s, k)) for s in scenes]) for k in HEADS}
+
+
+def heads_of(source: str) -> dict[str, list]:
+    """The classification heads (name -> classes) of a data source (:data:`SOURCES`)."""
+    if source == "scenes":
+        from .scenes import TOWER_HEADS
+
+        return TOWER_HEADS
+    return HEADS
 
 
 class TowerClassifier(nn.Module):
@@ -58,12 +69,12 @@ class TowerClassifier(nn.Module):
 
     forward(pixel_values ``(P, 3, 14, 14)`` float, grid ``(B, 3)`` long) -> ``{head: (B, classes)}`` logits."""
 
-    def __init__(self, tower: nn.Module):
+    def __init__(self, tower: nn.Module, heads: dict[str, list] = HEADS):
         super().__init__()
         self.tower = tower
         c = tower.config.hidden_size
         self.norm = nn.LayerNorm(c)
-        self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in HEADS.items()})
+        self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in heads.items()})
 
     def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
         """Logits per head, ``{name: (B, classes)}`` float."""
@@ -74,22 +85,32 @@ class TowerClassifier(nn.Module):
         return {k: h(pooled) for k, h in self.heads.items()}
 
 
-def _batch(processor, rng: random.Random, n: int, split: str, canvas: int):
-    scenes = [sample_scene(rng, split, canvas) for _ in range(n)]
-    feats = processor(images=[render(s, split, canvas) for s in scenes], return_tensors="pt")
-    return feats["pixel_values"], feats["image_grid_thw"], _labels(scenes)
+def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, source: str = "synth"):
+    if source == "scenes":
+        from . import scenes as sc
+
+        drawn = [sc.sample_scene(rng, "test" if split == "test" else "train", canvas) for _ in range(n)]
+        images = [sc.render(s, canvas) for s in drawn]
+        labels = [sc.tower_labels(s) for s in drawn]
+        labels = {k: torch.tensor([lab[k] for lab in labels]) for k in sc.TOWER_HEADS}
+    else:
+        drawn = [sample_scene(rng, split, canvas) for _ in range(n)]
+        images, labels = [render(s, split, canvas) for s in drawn], _labels(drawn)
+    feats = processor(images=images, return_tensors="pt")
+    return feats["pixel_values"], feats["image_grid_thw"], labels
 
 
 @torch.no_grad()
 def probe_accuracy(model: TowerClassifier, processor, cfg: PretrainTowerConfig, split: str = "test") -> dict:
-    """Head accuracy on ``cfg.eval_images`` fresh images of ``split`` (test: drawn differently, held-out pairs)."""
+    """Head accuracy on ``cfg.eval_images`` fresh images of ``split`` (test: drawn differently, held-out pairs;
+    with ``source: scenes`` the held-out renderings)."""
     model.eval()
     rng = random.Random(cfg.seed + 7)
-    correct = {k: 0 for k in HEADS}
+    correct = {k: 0 for k in model.heads}
     for start in range(0, cfg.eval_images, 64):
-        pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas)
+        pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas, cfg.source)
         out = model(pv, grid)
-        for k in HEADS:
+        for k in model.heads:
             correct[k] += int((out[k].argmax(-1) == labels[k]).sum())
     model.train()
     return {k: v / cfg.eval_images for k, v in correct.items()}
@@ -111,7 +132,7 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
                                                       t.intermediate_size, t.pos_emb_height, t.pos_emb_width),
                                    cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = TowerClassifier(tower).train()
+    model = TowerClassifier(tower, heads_of(cfg.source)).train()
     side = cfg.max_image_side // 14
     processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -119,9 +140,9 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
     rng = random.Random(cfg.seed)
     curve, t0 = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas)
+        pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas, cfg.source)
         out = model(pv, grid)
-        loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in HEADS)
+        loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in model.heads)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

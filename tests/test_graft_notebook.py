@@ -22,3 +22,6 @@ def test_grafting_notebook_executes(model_dir, monkeypatch):
     assert "| run | condition | colour | shape |" in text  # the experiment table
     assert "text-only KL(base || graft) over 5 prompts: max 0.0" in text
     assert "step,stage,loss,lr,tokens,seconds\n1,captions," in text and "\n2,qa," in text
+    # issue 15 section: the held-out-scenes tables (multiple choice + generated + format check) and the plateaus
+    assert "| generated (greedy), image |" in text and "One-word instruction obeyed" in text
+    assert "plateau steps (smoothed loss within 5% of its later minimum):" in text

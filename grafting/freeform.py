@@ -1,0 +1,91 @@
+"""Generated answers to everyday questions: greedy decoding, answer extraction and the one-word format check.
+
+Multiple-choice scoring (:mod:`grafting.evaluate`) says which written answer the graft finds most likely; it
+cannot see a graft that replies "Large." to "What colour is it? Answer with one word." This module looks at
+what the graft *writes*: each question is answered by greedy decoding (temperature 0, at most
+``max_new_tokens``), then
+- the answer is read out of the text: the one option value (colour, shape, number word, yes/no, colour + shape,
+  position, size word) that the text names; a text naming none or several is wrong;
+- the format check: a question whose instruction asks for one word (style ``word``,
+  :mod:`grafting.scenes`) is obeyed when the text is one word (letters only, trailing ``.``/``!`` allowed).
+Rows are the ``test.jsonl`` rows of :func:`grafting.scenes.write_dataset` (``question_type``, ``style``,
+``answer_word``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+from .data import load_image, to_messages
+from .generate import SamplingParams, generate_stream
+from .model import GraftedVLM
+from .processor import GraftProcessor
+from .scenes import values
+
+DIGITS = {"1": "one", "2": "two", "3": "three"}
+
+
+def one_word(text: str) -> bool:
+    """True when ``text`` is a single word of letters (surrounding spaces and a final ``.``/``!`` allowed)."""
+    return re.fullmatch(r"\s*[A-Za-z]+[.!]?\s*", text) is not None
+
+
+def read_answer(text: str, qtype: str) -> str | None:
+    """The option value of ``qtype`` that ``text`` names (lower case, as :func:`grafting.scenes.values`), or
+    None when it names none or more than one. ``multi`` needs exactly one colour and one shape; plurals
+    ("circles") and digits ("2") count."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    words = [DIGITS.get(w, w) for w in words]
+    words = [w[:-1] if w.endswith("s") and w[:-1] in {"circle", "square", "triangle"} else w for w in words]
+    joined = " " + " ".join(words) + " "
+    if qtype == "multi":
+        c = {v for v in values("colour") if f" {v} " in joined}
+        s = {v for v in values("shape") if f" {v} " in joined}
+        return f"{c.pop()} {s.pop()}" if len(c) == 1 and len(s) == 1 else None
+    if qtype == "yesno":
+        return words[0] if words and words[0] in ("yes", "no") else None
+    found = [v for v in values(qtype) if f" {v} " in joined]
+    return found[0] if len(found) == 1 else None
+
+
+@torch.inference_mode()
+def generate_answer(vlm: GraftedVLM, processor: GraftProcessor, messages: list[dict], max_new_tokens: int = 12) -> str:
+    """Greedy completion text of ``messages`` (OpenAI-style, images as PIL parts), at most ``max_new_tokens``
+    tokens, stopping at the chat template's end of turn."""
+    tok = processor.tokenizer
+    eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    return "".join(d.text for d in generate_stream(vlm, tok, processor(messages), params, eos))
+
+
+def evaluate_generated(vlm: GraftedVLM, processor: GraftProcessor, rows: list[dict], max_new_tokens: int = 12,
+                       progress: bool = False) -> dict:
+    """Generated-answer accuracy per question type and the one-word format check over ``rows``.
+
+    Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "format_obeyed": acc over style-``word`` rows,
+    "format_n", "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text,
+    right answer)``}``."""
+    hits, fmt, failures, samples = defaultdict(list), [], [], []
+    it = rows
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(rows, desc="eval generated")
+    for row in it:
+        msgs = to_messages({"conversations": row["conversations"][:1]}, load_image(row))
+        text = generate_answer(vlm, processor, msgs, max_new_tokens)
+        q = row["conversations"][0]["value"].replace("<image>", "").strip()
+        hits[row["question_type"]].append(read_answer(text, row["question_type"]) == row["answer_word"])
+        if row.get("style") == "word":
+            fmt.append(one_word(text))
+            if not fmt[-1] and len(failures) < 10:
+                failures.append((q, text))
+        if len(samples) < 10:
+            samples.append((q, text, row["conversations"][1]["value"]))
+    return {"accuracy": {k: sum(v) / len(v) for k, v in sorted(hits.items())},
+            "n": {k: len(v) for k, v in sorted(hits.items())},
+            "format_obeyed": sum(fmt) / len(fmt) if fmt else None, "format_n": len(fmt),
+            "format_failures": failures, "samples": samples}
