@@ -126,7 +126,7 @@ class GraftProcessor:
                     raise PromptError(f"messages[{i}].{key} is not supported (only role and content)",
                                       f"messages[{i}].{key}", "unsupported_parameter")
             role = msg.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable: no set lookup
                 raise PromptError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant",
                                   f"messages[{i}].role", "invalid_role")
             content = msg.get("content")
@@ -139,7 +139,7 @@ class GraftProcessor:
                 for j, part in enumerate(content):
                     p = f"messages[{i}].content[{j}]"
                     kind = part.get("type") if isinstance(part, dict) else None
-                    if kind in PART_KEYS:
+                    if isinstance(kind, str) and kind in PART_KEYS:
                         for key, value in part.items():
                             if key not in PART_KEYS[kind] and value is not None:
                                 raise PromptError(f"{p}.{key} is not supported in a {kind} part", f"{p}.{key}",

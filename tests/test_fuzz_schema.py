@@ -82,9 +82,9 @@ OPERATIONS = {
     ("/v1/videos/{video_id}/content", "get"): (None, {"video/mp4": {}, "image/png": {}}),
     ("/v1/audio/speech", "post"): (SPEECH_BODY, {t: {} for t in AUDIO_TYPES}),
 }
-# examples per operation (positive, negative); a valid request runs the model (a valid video create starts a job,
-# and deleting it at once restarts its worker), so fewer of those: at least 200 requests per family in all
-EXAMPLES = {"/v1/chat/completions": (80, 120), "/v1/audio/speech": (30, 170), "/v1/videos": (15, 45),
+# examples per operation (positive, negative); a valid chat or speech request runs the model, so fewer of those:
+# at least 200 requests per family in all
+EXAMPLES = {"/v1/chat/completions": (80, 120), "/v1/audio/speech": (60, 140), "/v1/videos": (40, 60),
             "/v1/videos/extensions": (30, 30)}
 PER_FAMILY = 200
 

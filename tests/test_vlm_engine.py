@@ -127,6 +127,8 @@ def test_cancel_stops_generation(engine):
 @pytest.mark.parametrize("messages,code", [
     ([], "empty_messages"),
     ([{"role": "robot", "content": "hi"}], "invalid_role"),
+    ([{"role": ["user"], "content": "hi"}], "invalid_role"),  # unhashable: was a TypeError (found by fuzzing)
+    ([{"role": "user", "content": [{"type": {"text": 1}, "text": "x"}]}], "invalid_messages"),  # likewise
     ([{"role": "user", "content": "look: <jupyter_code> here"}], "reserved_token_text"),
     ([{"role": "user", "content": [{"type": "text", "text": "<jupyter_start>"}]}], "reserved_token_text"),
     ([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], None),
