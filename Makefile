@@ -34,7 +34,9 @@ $(VLLM_VENV)/.installed: Makefile
 	$(VLLM_BIN)/python -c "import vllm, transformers; from transformers import LlamaForCausalLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-install: $(VENV)/.installed $(VLLM_VENV)/.installed
+# The two venvs are independent: built side by side (most of it is downloading and unpacking wheels).
+install:
+	$(MAKE) -j2 $(VENV)/.installed $(VLLM_VENV)/.installed
 
 prepare: install
 	$(BIN)/chimera prepare --profile $(PROFILE)

@@ -37,15 +37,37 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [root] + root.children(recursive=True)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT-group", "SIGTERM-group"])
-def test_serve_stops_fast_and_clean(signame, model_dir, tmp_path):
-    """After /readyz and one chat answer (so the VLM's batcher thread has run), the signal makes ``chimera
-    serve`` exit with code 0 within STOP_CEILING_S, print "shutting down", leave no process of its tree alive, and
-    log no timeout and no traceback."""
+def _profile_arg(vlm_backend: str, tmp_path: Path) -> str:
+    """``cpu`` as shipped (the VLM's LLM in a vLLM server process), or the cpu profile with the VLM on the
+    in-process ``transformers`` backend (its batcher thread decodes; no vLLM start, half the start-up time)."""
+    if vlm_backend == "vllm":
+        return "cpu"
+    import yaml
+
+    from services.profiles import load_profile
+
+    data = load_profile("cpu").model_dump(mode="json")
+    data["vlm"]["engine"]["backend"] = "transformers"
+    path = tmp_path / "cpu-transformers.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# SIGTERM to the group (containers, systemd) with the shipped profile: every process, vLLM's replica included, gets
+# the signal at once. The other two with the VLM on the transformers backend, whose decode thread must stop too
+# (vLLM's own shutdown when its replica dies is tests/test_engine_process.py's never-orphaned cases).
+@pytest.mark.parametrize("signame,vlm_backend", [("SIGTERM", "transformers"), ("SIGINT-group", "transformers"),
+                                                 ("SIGTERM-group", "vllm")])
+def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
+    """After /readyz and one chat answer (so the VLM's decoding has run), the signal makes ``chimera serve`` exit
+    with code 0 within STOP_CEILING_S, print "shutting down", leave no process of its tree alive, and log no
+    timeout and no traceback."""
     port = free_port()
     log_path = tmp_path / "serve.log"
+    profile = _profile_arg(vlm_backend, tmp_path)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--profile", profile, "--port",
+                                 str(port)], cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
