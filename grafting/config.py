@@ -136,7 +136,10 @@ class VLLMOptions(_Strict):
     ``make install`` builds ``.venv-vllm``). ``dtype``: the engine's dtype (None: the engine's ``dtype``).
     ``tensor_parallel_size``: GPUs the LLM is split over (the deployment's ``num_gpus``). ``enforce_eager``: no
     graph compilation (cpu: about 11 s start-up instead of about 50 s on 2 cores). ``enable_prefix_caching``:
-    share KV blocks across requests with a common prefix (keys include prompt embeddings).
+    share KV blocks across requests with a common prefix (keys include prompt embeddings). ``block_size``: tokens
+    per KV-cache block (page); prefix caching reuses whole blocks only, so a repeated prompt recomputes its last
+    1 to ``block_size`` tokens before its first token. None: vLLM's default (128 on CPU, 16 on CUDA);
+    the CPU engine wants a multiple of 32.
     ``gpu_memory_utilization``: fraction of each GPU vLLM may take (None: vLLM's default).
     ``cpu_kvcache_space_gib``: KV cache size on CPU in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
     ``cpu_threads``: OpenMP threads of the CPU engine (``OMP_NUM_THREADS``; None: vLLM's default).
@@ -150,6 +153,7 @@ class VLLMOptions(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    block_size: int | None = Field(None, ge=1)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     cpu_kvcache_space_gib: int | None = Field(None, ge=1)
     cpu_threads: int | None = Field(None, ge=1)

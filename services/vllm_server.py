@@ -61,6 +61,8 @@ def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seq
             *family_args, "--disable-uvicorn-access-log"]
     if o.enforce_eager:
         args.append("--enforce-eager")
+    if o.block_size is not None:
+        args += ["--block-size", str(o.block_size)]
     if o.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
     if o.speculative is not None:

@@ -388,6 +388,40 @@ def test_closing_the_stream_aborts_the_request_in_vllm(deployments, vlm_profile)
     assert 2 <= tokens < whole["completion_tokens"], (tokens, whole)
 
 
+def test_a_repeated_image_prompt_recomputes_at_most_one_kv_block(deployments, vlm_profile, astronaut):
+    """Prefix caching reuses whole KV-cache blocks, and the cpu profile pages vLLM's KV cache in blocks of 32 tokens
+    (``block_size``; vLLM's CPU default, 128, left up to 127 tokens of a repeated prompt to prefill again): the second
+    of two equal image prompts finds all but its last 1 to 32 tokens cached (vLLM's token counters
+    ``prefix_cache_queries`` / ``prefix_cache_hits``). That is what makes a repeated image's time to first token
+    short (bench/vlm_serving.py)."""
+    import re
+
+    block = vlm_profile.vlm.engine.vllm.block_size
+    assert block == 32
+    assert "--block-size" in deployments["vllm"].server.spec.args
+    server = deployments["vllm"].server
+    request = {"messages": [{"role": "user", "content": [image_part(astronaut), {"type": "text", "text":
+               "Describe this picture in detail, please, for a catalogue of photographs."}]}], "max_tokens": 1,
+               "temperature": 0}
+
+    def counters() -> tuple[float, float]:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        return tuple(sum(float(v) for v in re.findall(rf"^vllm:prefix_cache_{n}_total(?:{{[^}}]*}})? ([0-9.e+-]+)$",
+                                                      text, re.M)) for n in ("queries", "hits"))
+
+    async def once():
+        return [ev async for ev in deployments["vllm"].chat_stream(dict(request))][-1]
+
+    asyncio.run(once())
+    q0, h0 = counters()
+    end = asyncio.run(once())
+    q1, h1 = counters()
+    assert end["type"] == "end", end
+    prompt_tokens = q1 - q0
+    assert prompt_tokens > 2 * block  # an image (64 tokens) and the text: several blocks
+    assert 1 <= prompt_tokens - (h1 - h0) <= block, (prompt_tokens, h1 - h0)
+
+
 def test_ngram_speculative_decoding_gives_the_same_greedy_tokens(deployments, vlm_profile, model_dir):
     """``vlm.engine.vllm.speculative`` (n-gram, k=4) reaches vLLM, proposes and has drafts accepted, and the greedy
     answers equal the plain vllm deployment's token for token: verification keeps exactly the target's argmax
