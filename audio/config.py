@@ -90,7 +90,12 @@ class TTSConfig(_Strict):
     ``snac_noise``: SNAC's decoder noise blocks (random unless seeded; off gives deterministic audio).
     ``frames_per_char`` / ``min_frames`` / ``max_frames``: maximum audio length of a sentence, in 2048-sample
     frames (85.3 ms at 24 kHz), from its character count. ``chunk_frames``: frames per SNAC decode after the
-    first (the first frame is emitted as soon as its 2 right neighbours exist). ``max_sentence_chars``:
+    first (the first frame is emitted as soon as its 2 right neighbours exist). ``snac_batch_frames``: the SNAC
+    windows of concurrent streams waiting at the same time are decoded in one batched call of at most this many
+    frames by one shared decoder worker (:class:`audio.snac_stream.BatchedSnacDecoder`; a GPU decodes a batch in
+    about the time of one window; on a CPU a call beyond a few dozen frames costs more per window, its
+    activations no longer fit the caches); 0: each stream decodes its own windows in its own thread.
+    ``max_sentence_chars``:
     longer sentences are cut at a comma or space. ``seed``: default sampling seed (None: random).
 
     ``backend``: who runs the LM's decode: ``transformers`` (our KV-cache loop in the replica, one per synthesis:
@@ -122,6 +127,7 @@ class TTSConfig(_Strict):
     min_frames: int = Field(12, ge=1)
     max_frames: int = Field(1200, ge=1)
     chunk_frames: int = Field(4, ge=1)
+    snac_batch_frames: int = Field(256, ge=0)
     seed: int | None = None
     build: TTSBuild | None = None
     backend: str = Field("transformers", pattern="^(transformers|vllm)$")

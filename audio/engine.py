@@ -23,7 +23,7 @@ from .config import TTSConfig
 from .formats import SpeedResampler
 from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
-from .snac_stream import SAMPLE_RATE, StreamingDecoder, load_snac
+from .snac_stream import SAMPLE_RATE, BatchedSnacDecoder, StreamingDecoder, load_snac
 from .text import clean_sentence, has_speech, split_sentences
 from .validate import SpeechInputError, check_seed, check_speakable, check_speed, check_text, check_voice
 
@@ -71,11 +71,15 @@ class TTSEngine:
     ``lm``: a causal LM (``LlamaForCausalLM``, or any module with the same forward/KV-cache signature), or an
     :class:`audio.vllm_backend.VLLMSpeechLM` (the ``vllm`` backend);
     ``tokenizer``: its text tokenizer; ``snac``: a ``snac.SNAC`` model. Use :meth:`from_config` to load.
+    ``snac_decoder``: the one :class:`audio.snac_stream.BatchedSnacDecoder` of this engine's concurrent
+    syntheses (their windows ready together are decoded in one batched call; ``cfg.snac_batch_frames`` frames at
+    most), or None when ``cfg.snac_batch_frames`` is 0 (each synthesis decodes in its own thread).
     """
 
     def __init__(self, cfg: TTSConfig, lm, tokenizer, snac):
         self.cfg, self.lm, self.tokenizer, self.snac = cfg, lm, tokenizer, snac
         self.layout = TokenLayout(cfg.layout)
+        self.snac_decoder = BatchedSnacDecoder(snac, cfg.snac_batch_frames) if cfg.snac_batch_frames else None
         c = cfg.layout  # ids no client text may produce (see check_plain_text)
         self.control_ids = {c.start_of_speech, c.end_of_speech, c.start_of_human, c.end_of_human, c.start_of_ai,
                             c.end_of_ai, c.pad, c.end_of_text, *tokenizer.all_special_ids,
@@ -182,7 +186,7 @@ class TTSEngine:
             usage["sentences"] += 1
             report = SentenceReport()
             gen = torch.Generator().manual_seed(seed + index)
-            decoder = StreamingDecoder(self.snac, chunk_frames=self.cfg.chunk_frames)
+            decoder = StreamingDecoder(self.snac_decoder or self.snac, chunk_frames=self.cfg.chunk_frames)
             frames = generate_frames(self.lm, self.layout, self.prompt(voice, text), self.cfg.sampling,
                                      self.cfg.loop_guard, self.max_frames_for(text), gen, cancel, report)
             for frame in frames:

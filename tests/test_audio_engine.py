@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import random
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,11 +14,11 @@ import soundfile as sf
 import torch
 
 from audio.config import LoopGuardConfig, TokenLayoutConfig
-from audio.engine import NoAudioError, SpeechAudio, SpeechDone, TTSEngine
+from audio.engine import Cancelled, NoAudioError, SpeechAudio, SpeechDone, TTSEngine
 from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
 from audio.generate import candidate_probs, find_loop, generate_frames, make_processors
 from audio.layout import FrameParser, TokenLayout, frames_to_snac_codes, parse_frames
-from audio.snac_stream import FRAME_SAMPLES, StreamingDecoder, decode_frames
+from audio.snac_stream import FRAME_SAMPLES, BatchedSnacDecoder, StreamingDecoder, decode_batch, decode_frames
 from audio.text import SentenceBuffer, clean_sentence, split_sentences
 from audio.validate import SpeechInputError
 
@@ -385,3 +386,173 @@ def test_prepare_is_idempotent_and_loadable(profile, model_dir, tmp_path):
     assert e.lm.config.vocab_size == 49162 + 7 * 4096 and e.lm.config.vocab_size > len(e.tokenizer)
     assert sum(p.numel() for p in e.snac.parameters()) == 19_842_914  # the real 24 kHz architecture
     assert prepare(cfg.model_copy(update={"build": None}), tmp_path / "real") is False  # real checkpoints: nothing
+
+
+# --- batched SNAC decoding of concurrent streams (issue 12) -------------------------------------------------
+# Bound used below (batched == alone within relative RMS 1e-3): SNAC's decoder has no cross-batch op (weight-normed
+# convolutions, Snake activations, no normalisation or attention at 24 kHz), so a window decoded in a batch differs
+# from its decode alone only where the convolution kernels sum in another order. Reordering a float32 sum of K
+# terms moves it by about sqrt(K) * 2^-24 of its magnitude (random-walk rounding); the widest sums are K = 1024
+# channels x 7 taps = 7168 (sqrt ~ 85: ~5e-6 relative) and about 30 convolutions are chained, so the error grows
+# to ~1.5e-4 at most, linearly. Measured: 0 (8-frame windows) to 4.9e-7 (3-frame windows), far below 1e-3. The
+# streamed checks add the 2-left/2-right window's own difference from a full decode (measured <= 6.8e-5 above).
+BATCH_BOUND = 1e-3
+
+
+def _windows(seed: int, sizes: list[int]) -> list[list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 4096, (n, 7), generator=g).tolist() for n in sizes]
+
+
+def test_batched_snac_calls_equal_each_window_alone(engine):
+    """Windows waiting together are decoded in one call per frame count (never padded together), a first window
+    is taken first, ``max_frames`` caps a call, and each window gets its own samples: equal to decoding it alone
+    within BATCH_BOUND. 6 windows (sizes 3, 3, 5, 5, 5 and a first-window 3) in one submit with max_frames 10:
+    call 1 the three 3-frame windows (the first window leads), call 2 two 5-frame ones (10 frames), call 3 the
+    last 5-frame one."""
+    dec = BatchedSnacDecoder(engine.snac, max_frames=10)
+    wins = _windows(0, [3, 3, 5, 5, 5, 3])
+    order: list[int] = []
+    futs = dec.submit(wins, first=[False] * 5 + [True])
+    for i, f in enumerate(futs):
+        f.add_done_callback(lambda _f, i=i: order.append(i))
+    outs = [f.result(timeout=120) for f in futs]  # a hang guard, far above the ~1 s this takes
+    assert (dec.calls, dec.windows) == (3, 6)
+    assert order == [5, 0, 1, 2, 3, 4]
+    for w, out in zip(wins, outs):
+        alone = decode_frames(engine.snac, w)
+        assert out.shape == alone.shape == (len(w) * FRAME_SAMPLES,)
+        assert _rel_rms(out, alone) <= BATCH_BOUND
+    with pytest.raises(ValueError):
+        decode_batch(engine.snac, wins[:3])  # lengths 3, 3, 5: not one batch
+
+
+def test_batched_snac_failure_stays_with_its_window(engine):
+    """A window SNAC cannot decode (a code past its 4096-entry codebook) fails its batched call; the worker then
+    decodes that call's windows one by one, so only that window's stream gets the error and the others their
+    audio (within BATCH_BOUND of alone), and the decoder serves the next window."""
+    dec = BatchedSnacDecoder(engine.snac)
+    good = _windows(1, [3, 3])
+    bad = [[5000] * 7] * 3
+    futs = dec.submit([good[0], bad, good[1]])
+    for w, f in zip(good, (futs[0], futs[2])):
+        assert _rel_rms(f.result(timeout=120), decode_frames(engine.snac, w)) <= BATCH_BOUND
+    with pytest.raises(IndexError):
+        futs[1].result(timeout=120)
+    assert dec.decode(good[0]).shape == (3 * FRAME_SAMPLES,)
+
+
+def test_streamed_decode_through_shared_decoder_equals_one_shot(engine):
+    """Three streams of 7 frames share one BatchedSnacDecoder from three threads (chunk 4); each stream's
+    concatenated pieces are its own one-shot decode within BATCH_BOUND (window + batching errors, see above),
+    with exactly 7 x 2048 samples, and each stream's first frame still comes out after its third push."""
+    dec = BatchedSnacDecoder(engine.snac)
+    streams = [torch.randint(0, 4096, (7, 7), generator=torch.Generator().manual_seed(10 + i)).tolist()
+               for i in range(3)]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def run(i: int) -> None:
+        sd = StreamingDecoder(dec, chunk_frames=4)
+        got[i] = [sd.push(f) for f in streams[i]] + [sd.flush()]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, frames in enumerate(streams):
+        assert sum(len(p) for p in got[i][:3]) == FRAME_SAMPLES
+        streamed, full = torch.cat(got[i]), decode_frames(engine.snac, frames)
+        assert streamed.shape == full.shape == (7 * FRAME_SAMPLES,)
+        assert _rel_rms(streamed, full) <= BATCH_BOUND
+    assert dec.windows == 3 * 3  # per stream: frame 0, frames 1-4 (a chunk of 4), the flush (5-6)
+
+
+STREAM_TEXT = "Streams share one SNAC decoder."  # 31 characters: 8 frames on the cpu profile
+
+
+@pytest.fixture(scope="module")
+def shared_engine(engine):
+    """The engine (its shared batched SNAC decoder) with a 2-frame loop-guard window (a repeated frame), so that
+    a sentence's first audio comes at its 5th frame, not its 11th (the guard holds its window back), and a
+    stream can be stopped mid-way in a short sentence."""
+    cfg = engine.cfg.model_copy(update={"loop_guard": LoopGuardConfig(window_frames=2, max_period_frames=1)})
+    return TTSEngine(cfg, engine.lm, engine.tokenizer, engine.snac)
+
+
+@pytest.fixture(scope="module")
+def alone_audio(shared_engine):
+    """Each test stream synthesized by itself, decoding in its own thread (``snac_batch_frames: 0``): voice,
+    seed -> float32 audio."""
+    eng = shared_engine
+    solo = TTSEngine(eng.cfg.model_copy(update={"snac_batch_frames": 0}), eng.lm, eng.tokenizer, eng.snac)
+    assert solo.snac_decoder is None and eng.snac_decoder is not None
+    return {(v, s): np.concatenate([e.audio for e in solo.synthesize(STREAM_TEXT, voice=v, seed=s)
+                                    if isinstance(e, SpeechAudio)])
+            for v, s in [("tara", 1), ("leo", 2), ("mia", 3), ("zac", 4)]}
+
+
+def _rel_rms_np(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def test_concurrent_syntheses_each_get_their_own_audio(shared_engine, alone_audio):
+    """Four syntheses at once through the engine's shared batched decoder: each gets exactly the samples of the
+    same synthesis run alone (same length, in order, within BATCH_BOUND)."""
+    got: dict = {}
+
+    def run(key) -> None:
+        got[key] = np.concatenate([e.audio for e in shared_engine.synthesize(STREAM_TEXT, voice=key[0], seed=key[1])
+                                   if isinstance(e, SpeechAudio)])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in alone_audio]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for key, ref in alone_audio.items():
+        assert got[key].shape == ref.shape == (shared_engine.max_frames_for(STREAM_TEXT) * FRAME_SAMPLES,)
+        assert _rel_rms_np(got[key], ref) <= BATCH_BOUND
+
+
+def test_cancelled_streams_leave_the_others_intact(shared_engine, alone_audio):
+    """Of four concurrent syntheses, one is cancelled (its event set) and one closed (client gone) right after
+    their first audio (frame 0, at the 5th of 8 frames): the first raises Cancelled at its next token, the second
+    stops, and the other two still get exactly their alone audio (within BATCH_BOUND); the shared decoder then
+    serves a later synthesis."""
+    keys = list(alone_audio)
+    got: dict = {}
+    outcome: dict = {}
+
+    def run(key, how: str) -> None:
+        cancel = threading.Event()
+        stream = shared_engine.synthesize(STREAM_TEXT, voice=key[0], seed=key[1], cancel=cancel)
+        pieces = []
+        try:
+            for e in stream:
+                if isinstance(e, SpeechAudio):
+                    pieces.append(e.audio)
+                    if how == "cancel":
+                        cancel.set()
+                    elif how == "close":
+                        stream.close()
+                        break
+            outcome[key] = "closed" if how == "close" else "completed"
+        except Cancelled:
+            outcome[key] = "cancelled"
+        got[key] = np.concatenate(pieces)
+
+    hows = ["cancel", "close", "full", "full"]
+    threads = [threading.Thread(target=run, args=(k, h)) for k, h in zip(keys, hows)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [outcome[k] for k in keys] == ["cancelled", "closed", "completed", "completed"]
+    for k in keys[:2]:  # stopped after the first piece (the first frame alone)
+        np.testing.assert_array_equal(got[k].shape, (FRAME_SAMPLES,))
+    for k in keys[2:]:
+        assert got[k].shape == alone_audio[k].shape and _rel_rms_np(got[k], alone_audio[k]) <= BATCH_BOUND
+    later = np.concatenate([e.audio for e in shared_engine.synthesize(STREAM_TEXT, voice="tara", seed=1)
+                            if isinstance(e, SpeechAudio)])
+    assert _rel_rms_np(later, alone_audio["tara", 1]) <= BATCH_BOUND
