@@ -50,7 +50,8 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        heads: int = typer.Option(4), intermediate_size: int = typer.Option(512),
                        split: str = typer.Option("pretrain", help="synthetic split: pretrain (broad) or train"),
                        init: str = typer.Option(None, help="continue from this tower folder"),
-                       source: str = typer.Option("synth", help="synth (grafting.synth) or scenes (grafting.scenes)")):
+                       source: str = typer.Option("synth", help="synth (grafting.synth) or scenes (grafting.scenes)"),
+                       token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
@@ -61,7 +62,7 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
                                                num_attention_heads=heads, intermediate_size=intermediate_size),
                               steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init,
-                              source=source)
+                              source=source, token_weight=token_weight)
     m = pretrain_tower(cfg, out, log=typer.echo)
     typer.echo(json.dumps({"test_probe_accuracy": m["test_probe_accuracy"], "seconds": round(m["seconds"], 1)}))
 

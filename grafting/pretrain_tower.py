@@ -5,7 +5,9 @@ The real graft starts from a pretrained encoder (MoonViT). The cpu profile's tow
 ``Kimi_K25VisionModel`` of the same architecture; a random one carries colour but barely shape, so it is first
 trained here as a plain multi-task classifier (colour, shape, count, size, position heads on the mean of its
 merged patch features), then saved and frozen. The heads are thrown away; grafting never updates the tower.
-Seeded and deterministic on one thread (same seed, same weights).
+With ``source: scenes`` and ``token_weight > 0`` every merged token also gets dense targets
+(:func:`grafting.scenes.token_targets`: background or the object's shape / colour under it), since the
+projector reads the tokens, not their mean. Seeded and deterministic on one thread (same seed, same weights).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -33,7 +36,8 @@ class PretrainTowerConfig(BaseModel):
     with 5% warmup then cosine), image canvas in pixels, the processor's longest side in pixels, the synthetic
     split drawn from (``pretrain``: broad; ``train``: the graft's training ranges; with ``source: scenes`` the
     :mod:`grafting.scenes` train split, whatever ``split`` says, and its :data:`~grafting.scenes.TOWER_HEADS`)
-    and an optional tower folder to continue from (``init``; its sizes win over ``tower``)."""
+    an optional tower folder to continue from (``init``; its sizes win over ``tower``) and the weight of the
+    per-token shape and colour losses (``token_weight``; scenes only, 0 = off)."""
 
     model_config = ConfigDict(extra="forbid")
     tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
@@ -49,6 +53,7 @@ class PretrainTowerConfig(BaseModel):
     split: str = "pretrain"
     init: str | None = None
     source: str = Field("synth", pattern="^(synth|scenes)$")
+    token_weight: float = Field(0.0, ge=0.0)
 
 
 def _labels(scenes) -> dict[str, torch.Tensor]:
@@ -64,25 +69,36 @@ def heads_of(source: str) -> dict[str, list]:
     return HEADS
 
 
+TOKEN_HEADS = {"token_shape": 1 + 3, "token_colour": 1 + 4}  # background + grafting.scenes SHAPES / COLOURS
+
+
 class TowerClassifier(nn.Module):
-    """The tower plus one linear head per attribute on the mean of its merged patch features.
+    """The tower plus one linear head per attribute on the mean of its merged patch features, and with
+    ``token_heads`` the :data:`TOKEN_HEADS` on each merged token (the mean of its 2x2 patches).
 
-    forward(pixel_values ``(P, 3, 14, 14)`` float, grid ``(B, 3)`` long) -> ``{head: (B, classes)}`` logits."""
+    forward(pixel_values ``(P, 3, 14, 14)`` float, grid ``(B, 3)`` long) -> ``{head: (B, classes)}`` logits,
+    token heads ``(B, T, classes)`` (T merged tokens per image; every image of a batch the same size)."""
 
-    def __init__(self, tower: nn.Module, heads: dict[str, list] = HEADS):
+    def __init__(self, tower: nn.Module, heads: dict[str, list] = HEADS, token_heads: bool = False):
         super().__init__()
         self.tower = tower
         c = tower.config.hidden_size
         self.norm = nn.LayerNorm(c)
         self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in heads.items()})
+        self.token_norm = nn.LayerNorm(c) if token_heads else None
+        self.token_heads = nn.ModuleDict({k: nn.Linear(c, n) for k, n in TOKEN_HEADS.items()} if token_heads else {})
 
     def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Logits per head, ``{name: (B, classes)}`` float."""
+        """Logits per head, ``{name: (B, classes)}`` float (token heads ``(B, T, classes)``)."""
         groups = self.tower(pixel_values, grid_thw=grid).pooler_output  # (N, 4, C), images in order
         per_image = (grid[:, 1] * grid[:, 2] // 4).tolist()
         pooled = torch.stack([g.mean(dim=(0, 1)) for g in groups.split(per_image)])
         pooled = self.norm(pooled)
-        return {k: h(pooled) for k, h in self.heads.items()}
+        out = {k: h(pooled) for k, h in self.heads.items()}
+        if self.token_heads:
+            tokens = self.token_norm(torch.stack([g.mean(dim=1) for g in groups.split(per_image)]))
+            out.update({k: h(tokens) for k, h in self.token_heads.items()})
+        return out
 
 
 def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, source: str = "synth"):
@@ -93,6 +109,9 @@ def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, sourc
         images = [sc.render(s, canvas) for s in drawn]
         labels = [sc.tower_labels(s) for s in drawn]
         labels = {k: torch.tensor([lab[k] for lab in labels]) for k in sc.TOWER_HEADS}
+        dense = [sc.token_targets(s, canvas) for s in drawn]
+        labels["token_shape"] = torch.from_numpy(np.stack([d[0] for d in dense]))
+        labels["token_colour"] = torch.from_numpy(np.stack([d[1] for d in dense]))
     else:
         drawn = [sample_scene(rng, split, canvas) for _ in range(n)]
         images, labels = [render(s, split, canvas) for s in drawn], _labels(drawn)
@@ -103,23 +122,29 @@ def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, sourc
 @torch.no_grad()
 def probe_accuracy(model: TowerClassifier, processor, cfg: PretrainTowerConfig, split: str = "test") -> dict:
     """Head accuracy on ``cfg.eval_images`` fresh images of ``split`` (test: drawn differently, held-out pairs;
-    with ``source: scenes`` the held-out renderings)."""
+    with ``source: scenes`` the held-out renderings); token heads: accuracy over the tokens an object covers."""
     model.eval()
     rng = random.Random(cfg.seed + 7)
-    correct = {k: 0 for k in model.heads}
+    correct = {k: 0 for k in [*model.heads, *model.token_heads]}
+    object_tokens = 0
     for start in range(0, cfg.eval_images, 64):
         pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas, cfg.source)
         out = model(pv, grid)
         for k in model.heads:
             correct[k] += int((out[k].argmax(-1) == labels[k]).sum())
+        on = labels["token_shape"] > 0 if model.token_heads else None
+        for k in model.token_heads:
+            correct[k] += int(((out[k].argmax(-1) == labels[k]) & on).sum())
+        object_tokens += int(on.sum()) if on is not None else 0
     model.train()
-    return {k: v / cfg.eval_images for k, v in correct.items()}
+    return {k: v / (object_tokens if k in TOKEN_HEADS else cfg.eval_images) for k, v in correct.items()}
 
 
 def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> dict:
     """Train a seeded random MoonViT as a shape classifier and save it (``save_pretrained`` + the
     ``Kimi_K25ImageProcessor`` config) to ``out_dir``, with ``pretrain_metrics.json`` (loss curve and probe
-    accuracy on the test split). Returns the metrics."""
+    accuracy on the test split). Returns the metrics. Raises ValueError for ``token_weight`` without
+    ``source: scenes``."""
     from transformers import Kimi_K25ImageProcessor, get_cosine_schedule_with_warmup
 
     t = cfg.tower
@@ -132,7 +157,9 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
                                                       t.intermediate_size, t.pos_emb_height, t.pos_emb_width),
                                    cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = TowerClassifier(tower, heads_of(cfg.source)).train()
+    if cfg.token_weight and cfg.source != "scenes":
+        raise ValueError("token_weight needs source: scenes (token targets come from grafting.scenes)")
+    model = TowerClassifier(tower, heads_of(cfg.source), token_heads=cfg.token_weight > 0).train()
     side = cfg.max_image_side // 14
     processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -143,6 +170,8 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
         pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas, cfg.source)
         out = model(pv, grid)
         loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in model.heads)
+        for k in model.token_heads:
+            loss = loss + cfg.token_weight * nn.functional.cross_entropy(out[k].flatten(0, 1), labels[k].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

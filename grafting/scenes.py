@@ -436,6 +436,30 @@ def write_dataset(out_dir: str | Path, n_train: int = 3000, n_test: int = 300, s
             "test": _write(out / "test.jsonl", test)}
 
 
+def token_targets(scene: Scene, canvas: int = 112, cell: int = 28, min_cover: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """Per merged tower token (a ``cell`` x ``cell`` pixel square: two 14-px patches merged 2x2, row-major over the
+    ``canvas // cell`` grid), which object class it shows: ``(shape, colour)`` int64 arrays of ``(canvas // cell)**2``,
+    0 = background, else 1 + the index in :data:`SHAPES` / :data:`COLOURS`, where the scene's objects (drawn
+    filled, even when outlined) cover at least ``min_cover`` of the cell's pixels. Dense targets for tower
+    pretraining (:mod:`grafting.pretrain_tower`, ``token_weight``). Raises ValueError when ``canvas`` is not a
+    multiple of ``cell``."""
+    if canvas % cell:
+        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
+    mask = Image.new("L", (canvas, canvas), 0)
+    draw = ImageDraw.Draw(mask)
+    for o in scene.objects:
+        if scene.shape == "circle":
+            h = o.side / 2
+            draw.ellipse([o.x - h, o.y - h, o.x + h, o.y + h], fill=255)
+        else:
+            draw.polygon(_polygon(scene.shape, o), fill=255)
+    g = canvas // cell
+    on = (np.asarray(mask, np.float32).reshape(g, cell, g, cell).mean(axis=(1, 3)) / 255 >= min_cover).reshape(-1)
+    shape = np.where(on, 1 + SHAPES.index(scene.shape), 0).astype(np.int64)
+    colour = np.where(on, 1 + list(COLOURS).index(scene.colour), 0).astype(np.int64)
+    return shape, colour
+
+
 TOWER_HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS),
                "position": list(POSITIONS) + [None], "size": list(SIZE_WORDS) + [None], "outline": [False, True]}
 

@@ -137,6 +137,35 @@ def test_tower_pretraining_on_scenes_runs_its_heads(tmp_path):
     assert (tmp_path / "pretrain_metrics.json").is_file()
 
 
+def test_token_targets_mark_the_cells_an_object_covers():
+    # a blue square over pixels 28..56 fills merged-token cell (1, 1) of the 4 x 4 grid (28-px cells); its last
+    # pixel row and column reach 29 of the 784 pixels of each neighbour (3.7% < the 20% threshold)
+    scene = sc.Scene("blue", "square", 1, "light", [sc.Obj(42, 42, 28, 0.0, (40, 80, 215), 0)])
+    shape, colour = sc.token_targets(scene, canvas=112)
+    want_shape, want_colour = [0] * 16, [0] * 16
+    want_shape[5], want_colour[5] = 1 + sc.SHAPES.index("square"), 1 + list(sc.COLOURS).index("blue")
+    assert shape.tolist() == want_shape and colour.tolist() == want_colour
+    outlined = sc.Scene("blue", "square", 1, "light", [sc.Obj(42, 42, 28, 0.0, (40, 80, 215), 3)])
+    assert sc.token_targets(outlined)[0].tolist() == want_shape  # outlined objects count as their whole area
+    with pytest.raises(ValueError, match="multiple"):
+        sc.token_targets(scene, canvas=100)
+
+
+def test_tower_pretraining_with_token_targets_reports_token_accuracy(tmp_path):
+    from grafting.config import TowerBuild
+    from grafting.pretrain_tower import TOKEN_HEADS, PretrainTowerConfig, pretrain_tower
+
+    tiny = TowerBuild(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      pos_emb_height=16, pos_emb_width=16)
+    cfg = PretrainTowerConfig(tower=tiny, steps=2, batch_size=4, eval_images=8, source="scenes", token_weight=0.5)
+    m = pretrain_tower(cfg, tmp_path, log=lambda s: None)
+    acc = m["test_probe_accuracy"]
+    assert set(acc) == set(sc.TOWER_HEADS) | set(TOKEN_HEADS)
+    assert all(0.0 <= acc[k] <= 1.0 for k in TOKEN_HEADS)
+    with pytest.raises(ValueError, match="scenes"):
+        pretrain_tower(cfg.model_copy(update={"source": "synth"}), tmp_path / "x", log=lambda s: None)
+
+
 def test_plateau_step_finds_where_a_curve_flattens():
     from grafting.report import plateau_step, smoothed
 
