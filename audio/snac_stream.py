@@ -54,6 +54,26 @@ def load_snac(path: str | Path, device: str = "cpu", noise: bool = False) -> tor
     return model
 
 
+def rowwise_transposed_convs(snac_model: torch.nn.Module) -> None:
+    """Make every ``ConvTranspose1d`` of ``snac_model`` run its batch row by row (weights computed once per call;
+    the same ``F.conv_transpose1d`` call as the module's own for a batch of one, so unbatched decoding is
+    unchanged). Measured on the cpu profile: the transposed convolutions are the only layers whose per-window
+    result depends on the batch size (their kernel blocking changes with it: up to 5e-7 absolute); row by row,
+    a window decoded in any batch gives bit-identical samples to its decode alone, so concurrent streams never
+    change each other's audio. Idempotent; the weights are unchanged."""
+    import torch.nn.functional as F
+
+    for m in snac_model.modules():
+        if isinstance(m, torch.nn.ConvTranspose1d) and "forward" not in m.__dict__:
+            def forward(x: torch.Tensor, m=m) -> torch.Tensor:
+                w = m.weight
+                rows = [F.conv_transpose1d(x[i : i + 1], w, m.bias, m.stride, m.padding, m.output_padding, m.groups,
+                                           m.dilation) for i in range(x.shape[0])]
+                return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+            m.forward = forward
+
+
 @torch.inference_mode()
 def decode_frames(snac_model: torch.nn.Module, frames: list[list[int]] | torch.Tensor) -> torch.Tensor:
     """One-shot decode of frames ``[N, 7]`` -> float32 audio ``(N * 2048,)`` in [-1, 1] at 24 kHz."""
@@ -89,8 +109,9 @@ class BatchedSnacDecoder:
     """One SNAC decoder worker shared by an engine's concurrent streams (their threads call :meth:`decode`).
 
     ``decode(frames)`` blocks until the worker has decoded that window and returns what
-    ``decode_frames(snac_model, frames)`` returns (float32 ``(N * 2048,)``), equal up to float32 rounding (see
-    :func:`decode_batch`). The worker takes the most urgent waiting window (a stream's first window, for time to
+    ``decode_frames(snac_model, frames)`` returns (float32 ``(N * 2048,)``): bit-identical on the cpu profile (the
+    transposed convolutions run row by row, :func:`rowwise_transposed_convs`), else equal up to float32 rounding
+    (see :func:`decode_batch`). The worker takes the most urgent waiting window (a stream's first window, for time to
     first audio: a sentence's first window, then the oldest) together with every other waiting window of the same frame count, at most
     ``max_frames`` frames per call (at least one window), and decodes them in one batched call. Windows are
     never padded to a common length (padding would change the samples near a window's end), so windows of other
@@ -102,6 +123,7 @@ class BatchedSnacDecoder:
     """
 
     def __init__(self, snac_model: torch.nn.Module, max_frames: int = 256):
+        rowwise_transposed_convs(snac_model)
         self.model, self.max_frames = snac_model, max(1, max_frames)
         self._cond = threading.Condition()
         self._waiting: list[_Window] = []

@@ -18,7 +18,8 @@ from audio.engine import Cancelled, NoAudioError, SpeechAudio, SpeechDone, TTSEn
 from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
 from audio.generate import candidate_probs, find_loop, generate_frames, make_processors
 from audio.layout import FrameParser, TokenLayout, frames_to_snac_codes, parse_frames
-from audio.snac_stream import FRAME_SAMPLES, BatchedSnacDecoder, StreamingDecoder, decode_batch, decode_frames
+from audio.snac_stream import (FRAME_SAMPLES, BatchedSnacDecoder, StreamingDecoder, decode_batch, decode_frames,
+                                load_snac, rowwise_transposed_convs)
 from audio.text import SentenceBuffer, clean_sentence, split_sentences
 from audio.validate import SpeechInputError
 
@@ -394,8 +395,10 @@ def test_prepare_is_idempotent_and_loadable(profile, model_dir, tmp_path):
 # from its decode alone only where the convolution kernels sum in another order. Reordering a float32 sum of K
 # terms moves it by about sqrt(K) * 2^-24 of its magnitude (random-walk rounding); the widest sums are K = 1024
 # channels x 7 taps = 7168 (sqrt ~ 85: ~5e-6 relative) and about 30 convolutions are chained, so the error grows
-# to ~1.5e-4 at most, linearly. Measured: 0 (8-frame windows) to 4.9e-7 (3-frame windows), far below 1e-3. The
-# streamed checks add the 2-left/2-right window's own difference from a full decode (measured <= 6.8e-5 above).
+# to ~1.5e-4 at most, linearly. Measured: up to 4.9e-7 with SNAC's own transposed convolutions (their kernel blocking
+# follows the batch size), exactly 0 with them run row by row (audio.snac_stream.rowwise_transposed_convs, what
+# BatchedSnacDecoder does): far below 1e-3 either way. The streamed checks add the 2-left/2-right window's own
+# difference from a full decode (measured <= 6.8e-5 above).
 BATCH_BOUND = 1e-3
 
 
@@ -425,6 +428,18 @@ def test_batched_snac_calls_equal_each_window_alone(engine):
         assert _rel_rms(out, alone) <= BATCH_BOUND
     with pytest.raises(ValueError):
         decode_batch(engine.snac, wins[:3])  # lengths 3, 3, 5: not one batch
+
+
+def test_rowwise_transposed_convs_leave_unbatched_decoding_unchanged(engine, model_dir):
+    """The engine's SNAC runs its transposed convolutions row by row (BatchedSnacDecoder installs it): a window
+    decoded alone gives exactly the samples of SNAC as loaded (the same conv_transpose1d call per row), and
+    installing it again changes nothing."""
+    plain = load_snac(model_dir / "tts" / "snac")
+    assert not any("forward" in m.__dict__ for m in plain.modules() if isinstance(m, torch.nn.ConvTranspose1d))
+    assert all("forward" in m.__dict__ for m in engine.snac.modules() if isinstance(m, torch.nn.ConvTranspose1d))
+    rowwise_transposed_convs(engine.snac)
+    for w in _windows(2, [3, 8]):
+        assert torch.equal(decode_frames(engine.snac, w), decode_frames(plain, w))
 
 
 def test_batched_snac_failure_stays_with_its_window(engine):
