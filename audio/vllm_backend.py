@@ -88,4 +88,5 @@ class VLLMSpeechLM:
                     yield eos
         finally:
             loop.run_until_complete(chunks.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())  # iterators the stream left to their finalizers
             loop.close()
