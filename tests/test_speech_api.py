@@ -564,3 +564,65 @@ def test_no_audio_is_a_clear_error_never_an_empty_200(looping_app):
                 pcm += base64.b64decode(m["delta"])
             assert m["type"] == "response.audio.done" and m["status"] == "completed" and len(pcm) == 6 * 2048 * 2
     assert dep.running == 0
+
+
+def test_eight_ws_sessions_cancelling_four_frees_their_slots(serve_url, ray_cluster):
+    """8 websocket sessions speak at once, each its own synthesis in the tts deployment (``active`` counts the
+    syntheses running). 4 of them ask for 40 sentences and are cancelled mid-utterance; the other 4 ask for 3 and
+    complete, with the same audio (same text and seed: concurrency changes nothing). The cancelled syntheses stop
+    (their slots are free: ``active`` is 0 while 40 sentences could not yet have been spoken), each cancelled socket
+    stays usable, and once the sockets close the session gauge returns to 0. Time limits are ceilings against a
+    hang, never speed requirements. ``max_queue=None``: the client buffers every frame, so a socket this test is not
+    reading at the moment never stops answering the server's keepalive pings."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("tts", app_name="chimera")
+    long_text = " ".join(f"Sentence number {i} is here." for i in range(40))
+    short_text = "One small step. Two small steps. Three small steps."
+    socks = [connect(_ws_url(serve_url), max_queue=None) for _ in range(8)]
+    try:
+        for ws in socks:
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        assert _gauge(serve_url) == 8
+        for i, ws in enumerate(socks):
+            _send(ws, type="session.update", session={"seed": 5})
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
+            _send(ws, type="input_text.append", text=long_text if i < 4 else short_text)
+            _send(ws, type="input_text.commit")
+        firsts = [json.loads(ws.recv(timeout=120)) for ws in socks]  # every session is speaking
+        assert [m["type"] for m in firsts] == ["response.audio.delta"] * 8
+        for ws in socks[:4]:
+            _send(ws, type="response.cancel")
+        for ws, first in zip(socks[:4], firsts):
+            while (m := json.loads(ws.recv(timeout=60)))["type"] == "response.audio.delta":
+                pass  # deltas already in flight before the acknowledgement
+            assert m == {"type": "response.audio.done", "response_id": first["response_id"], "status": "cancelled",
+                         "usage": None}
+
+        def finish(i: int) -> tuple[bytes, dict]:
+            pcm, done = _utterance(socks[i])
+            return base64.b64decode(firsts[i]["delta"]) + pcm, done
+
+        with ThreadPoolExecutor(4) as pool:
+            done = list(pool.map(finish, range(4, 8)))
+        assert all(d["status"] == "completed" and d["usage"]["sentences"] == 3 for _, d in done), done
+        assert len(done[0][0]) > 0 and all(pcm == done[0][0] for pcm, _ in done)
+        for ws in socks[:4]:  # a cancelled session speaks again
+            _send(ws, type="input_text.append", text="Short one.")
+            _send(ws, type="input_text.commit")
+            pcm, d = _utterance(ws)
+            assert d["status"] == "completed" and len(pcm) > 0
+        # Progress, not time, is the yardstick: since the cancels every stream has spoken about 4 more sentences,
+        # so uncancelled 40-sentence syntheses would still be running (active 4). The 1 s of polling only covers a
+        # finished synthesis's thread, which ends just after its done event is sent (microseconds).
+        assert _wait_idle(handle, 1.0), handle.active.remote().result()
+    finally:
+        for ws in socks:
+            ws.close()
+    assert _wait_idle(handle, 120)
+    deadline = time.monotonic() + 120
+    while _gauge(serve_url) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gauge(serve_url) == 0
