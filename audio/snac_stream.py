@@ -111,9 +111,9 @@ class BatchedSnacDecoder:
     ``decode(frames)`` blocks until the worker has decoded that window and returns what
     ``decode_frames(snac_model, frames)`` returns (float32 ``(N * 2048,)``): bit-identical on the cpu profile (the
     transposed convolutions run row by row, :func:`rowwise_transposed_convs`), else equal up to float32 rounding
-    (see :func:`decode_batch`). The worker takes the most urgent waiting window (a stream's first window, for time to
-    first audio: a sentence's first window, then the oldest) together with every other waiting window of the same frame count, at most
-    ``max_frames`` frames per call (at least one window), and decodes them in one batched call. Windows are
+    (see :func:`decode_batch`). The worker takes the most urgent waiting window (a sentence's first window, for
+    time to first audio, then the oldest) together with every other waiting window of the same frame count, at
+    most ``max_frames`` frames per call (at least one window), and decodes them in one batched call. Windows are
     never padded to a common length (padding would change the samples near a window's end), so windows of other
     lengths wait for the next call. A stream has at most one window outstanding, so its audio comes back in
     order. The worker thread runs only while windows are waiting (started by :meth:`submit`, it ends when none
