@@ -436,7 +436,8 @@ def write_dataset(out_dir: str | Path, n_train: int = 3000, n_test: int = 300, s
             "test": _write(out / "test.jsonl", test)}
 
 
-def token_targets(scene: Scene, canvas: int = 112, cell: int = 28, min_cover: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
+                  min_cover: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """Per merged tower token (a ``cell`` x ``cell`` pixel square: two 14-px patches merged 2x2, row-major over the
     ``canvas // cell`` grid), which object class it shows: ``(shape, colour)`` int64 arrays of ``(canvas // cell)**2``,
     0 = background, else 1 + the index in :data:`SHAPES` / :data:`COLOURS`, where the scene's objects (drawn
