@@ -91,7 +91,7 @@ def run_check(dry_run: bool) -> list[tuple[str, str, str]]:
     device = "cuda"
     vlm_cfg = profile.vlm.engine.model_copy(update={"device": device, "backend": "transformers"})
     video_cfg = profile.video.engine.model_copy(update={"device": device, "torch_threads": None})
-    tts_cfg = profile.tts.engine.model_copy(update={"device": device})
+    tts_cfg = profile.tts.engine.model_copy(update={"device": device, "backend": "transformers"})
     missing = [p for p in (vlm_cfg.llm, video_cfg.model, tts_cfg.lm) if not (model_dir / p).exists()]
     if missing:
         raise FileNotFoundError(f"run `chimera prepare --profile cpu` first: missing {missing} in {model_dir}")
@@ -267,7 +267,8 @@ def orpheus_tts(device: str, dry_run: bool, streams: tuple[int, ...]) -> list[tu
     if dry_run:
         return rows
     cfg = profile.tts.engine.model_copy(update={"device": device, "dtype": "bfloat16", "layout": layout,
-                                                "build": None, "max_frames": 96, "frames_per_char": 2.0})
+                                                "build": None, "max_frames": 96, "frames_per_char": 2.0,
+                                                "backend": "transformers"})  # the in-process reference
     tok = AutoTokenizer.from_pretrained(model_dir / profile.tts.engine.lm)
     engine = TTSEngine(cfg, lm, tok, load_snac(model_dir / profile.tts.engine.snac, device=device))
     text = "The quick brown fox jumps over the lazy dog near the river bank."

@@ -196,7 +196,7 @@ def smoke_tts(work: Path, cpu_dir: Path, profile, layers: int) -> dict:
     _copy(cpu_dir / "tts" / "lm", work / "lm", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
     build_snac(work / "snac", seed=0)
     cfg = profile.tts.engine.model_copy(update={"lm": "lm", "snac": "snac", "dtype": "bfloat16", "device": "cpu",
-                                                "layout": layout, "build": None})
+                                                "layout": layout, "build": None, "backend": "transformers"})
     build_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -11,7 +11,9 @@ This module reads those configs, places the deployments on GPUs and adds up what
 - each process on a GPU gets :data:`CUDA_CONTEXT_BYTES` (CUDA context and allocator slack: an allowance);
 - with vLLM, the LLM's GPUs each give vLLM ``gpu_memory_utilization`` of their memory (vLLM's default 0.9 when
   unset): weights / tp + activations + the KV cache of one full-length sequence must fit in that share (vLLM
-  refuses to start otherwise); what is left of it is KV cache, reported as full-length sequences.
+  refuses to start otherwise); what is left of it is KV cache, reported as full-length sequences. The speech LM on
+  vLLM: its weights, activations and the KV cache of ``max_ongoing_requests`` full sentences must fit in its share;
+  SNAC stays in the replica, beside the share.
 
 :func:`check` raises :class:`PlanError` with the numbers when a GPU is over its memory; ``chimera serve`` calls it
 before starting Ray, ``chimera profile show`` prints :func:`format_plan`.
@@ -132,14 +134,28 @@ def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, own
     return pl
 
 
-def _tts(profile: Profile, model_dir: Path, gpus: list[int], owner: str) -> Placement:
+def _tts(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, owner: str) -> Placement:
     from audio.memory import tts_needs
 
     s = profile.tts
     e = s.engine
     needs = tts_needs(e, read_config(config_dir(model_dir, e.lm)), read_config(config_dir(model_dir, e.snac)),
                       s.deployment.max_ongoing_requests)
-    return Placement(owner, gpus, first=needs + [_ctx()])
+    if e.backend != "vllm":
+        return Placement(owner, gpus, first=needs + [_ctx()])
+    # vLLM's server holds the LM (weights, KV cache, activations) inside its share; the replica keeps SNAC
+    in_vllm = [n for n in needs if n.what.startswith(("lm ", "kv "))]
+    pl = Placement(owner, gpus, first=[n for n in needs if n not in in_vllm] + [_ctx()])
+    util = e.vllm.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
+    share = int(util * gpu_bytes)
+    pl.per_gpu = [Need("vLLM share", share, f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")]
+    inside = in_vllm + [_ctx()]
+    need = sum(x.bytes for x in inside)
+    pl.notes.append("inside vLLM's share: " + ", ".join(f"{x.what} {x.bytes / GIB:.2f} GiB" for x in inside))
+    if need > share:
+        pl.notes.append(f"PROBLEM: vLLM needs {need / GIB:.2f} GiB (LM weights, activations, the KV cache of "
+                        f"{s.deployment.max_ongoing_requests} requests) but gets {share / GIB:.2f} GiB")
+    return pl
 
 
 def _video_job(profile: Profile, model_dir: Path, gpus: list[int], owner: str) -> Placement:
@@ -178,7 +194,7 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
             if fam == "vlm":
                 placements.append(_vlm(profile, model_dir, got, gpu_bytes, owner))
             elif fam == "tts":
-                placements.append(_tts(profile, model_dir, got, owner))
+                placements.append(_tts(profile, model_dir, got, gpu_bytes, owner))
             else:  # the video front loads no model (its jobs do): only its process
                 placements.append(Placement(owner, got, first=[_ctx()]))
     if jobs > 0:  # the job manager starts jobs.workers workers, each holding jobs.gpus_per_job GPUs and an engine

@@ -134,6 +134,10 @@ def test_gpu_profile_fits_80_and_141_gb_gpus_as_configured(gpu_gb):
     assert weights["text encoder weights"] == 5680910336 * 2             # UMT5-XXL encoder, bf16
     assert weights["vae weights"] == 704688668 * 4                       # Wan2.2 VAE, fp32
     assert weights["snac weights"] == 19842914 * 4                       # SNAC 24 kHz, fp32
+    tts = owners["tts[0]"]  # the speech LM on vLLM: its share on GPU 2, SNAC in the replica beside it
+    assert tts.per_gpu[0].what == "vLLM share" and tts.per_gpu[0].bytes == int(0.85 * gpu_gb * GB)
+    assert p.used[2] == tts.per_gpu[0].bytes + sum(x.bytes for x in tts.first)
+    assert "lm weights" not in {x.what for x in tts.first}
     # GPU 0 = vLLM's share + what the replica keeps there (tower, projector, activations, CUDA context)
     assert p.used[0] == share.bytes + sum(x.bytes for x in vlm.first) and p.used[1] == share.bytes
     assert max(p.used) <= gpu_gb * GB
@@ -172,6 +176,19 @@ def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbe
         check(load_profile(prof))
 
 
+def test_a_speech_vllm_share_too_small_for_its_kv_cache_is_a_problem():
+    """The speech LM's share holds its weights and the KV cache of max_ongoing_requests full sentences (vLLM
+    refuses to start otherwise): 0.2 x 80 GB = 14.9 GiB < 6.15 + 14.90 + ... GiB is named as a problem."""
+    from services.memory_plan import plan
+
+    data = load_profile("gpu").model_dump(mode="json")
+    data["tts"]["engine"]["vllm"]["gpu_memory_utilization"] = 0.2
+    p = plan(parse_profile(data), 80 * GB)
+    assert not p.fits
+    assert any(re.match(r"tts\[0\]: vLLM needs 22\.\d\d GiB .* KV cache of 16 requests\) but gets 14\.90 GiB", x)
+               for x in p.problems), p.problems
+
+
 def test_profile_show_prints_the_plan(tmp_path):
     from typer.testing import CliRunner
 
@@ -182,7 +199,10 @@ def test_profile_show_prints_the_plan(tmp_path):
     lines = r.output.splitlines()
     assert lines[0] == "profile gpu: 4 GPUs x 80.0 GiB" and lines[-1] == "fits"
     assert "vlm[0] on GPU 0,1" in lines and "tts[0] on GPU 2" in lines and "video job worker 0 on GPU 3" in lines
-    assert any(re.match(r"\s+kv cache\s+14\.90 GiB  on GPU 2: 16 requests x 8716 tokens", x) for x in lines)
+    tts = lines.index("tts[0] on GPU 2")  # the speech LM in vLLM's share; SNAC in the replica beside it
+    assert lines[tts + 1].split()[:4] == ["vLLM", "share", "68.00", "GiB"]
+    assert re.match(r"\s+snac weights\s+0\.07 GiB  on GPU 2", lines[tts + 2])
+    assert "  note: inside vLLM's share: lm weights 6.15 GiB, kv cache 14.90 GiB" in lines[tts + 4]
     assert "GPU 1: 68.00 of 80.00 GiB" in lines
     tiny = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "16"])
     assert tiny.exit_code == 1 and "DOES NOT FIT" in tiny.output

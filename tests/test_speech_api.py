@@ -510,7 +510,9 @@ def looping_app(profile, model_dir):
     from audio.engine import TTSEngine
 
     before = torch.get_num_threads()
-    dep = Deployment(profile.tts.model_dump(mode="json"), str(model_dir))  # sets 1 torch thread, as in Ray
+    section = profile.tts.model_dump(mode="json")
+    section["engine"]["backend"] = "transformers"  # the scripted LM replaces the LM: no vLLM server to start
+    dep = Deployment(section, str(model_dir))  # sets 1 torch thread, as in Ray
     e = dep.engine
     cfg = e.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
     dep.engine = TTSEngine(cfg, LoopingLM(e.layout, e.tokenizer, e.lm.config.vocab_size), e.tokenizer, e.snac)
