@@ -141,7 +141,9 @@ class VLLMOptions(_Strict):
     1 to ``block_size`` tokens before its first token. None: vLLM's default (128 on CPU, 16 on CUDA);
     the CPU engine wants a multiple of 32.
     ``gpu_memory_utilization``: fraction of each GPU vLLM may take (None: vLLM's default).
-    ``cpu_kvcache_space_gib``: KV cache size on CPU in whole GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    ``kv_cache_memory_bytes``: the KV cache's size in bytes (``--kv-cache-memory-bytes``; on CPU it is allocated
+    and resident at start, so size it to what ``max_batch_size`` full-length sequences need; None: vLLM sizes it,
+    on CPU 4 GiB, on GPU what ``gpu_memory_utilization`` leaves).
     ``cpu_threads``: OpenMP threads of the CPU engine (``OMP_NUM_THREADS``; None: vLLM's default).
     ``startup_timeout_s``: seconds to the first healthy ``/health``. ``speculative``: speculative decoding
     (None: off; :class:`NgramSpeculation` or :class:`DraftSpeculation`, passed as ``--speculative-config``).
@@ -155,7 +157,7 @@ class VLLMOptions(_Strict):
     enable_prefix_caching: bool = True
     block_size: int | None = Field(None, ge=1)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    cpu_kvcache_space_gib: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
     cpu_threads: int | None = Field(None, ge=1)
     startup_timeout_s: float = Field(600.0, gt=0)
     speculative: Speculation | None = None

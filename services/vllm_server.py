@@ -63,13 +63,13 @@ def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seq
         args.append("--enforce-eager")
     if o.block_size is not None:
         args += ["--block-size", str(o.block_size)]
+    if o.kv_cache_memory_bytes is not None:
+        args += ["--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes)]
     if o.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
     if o.speculative is not None:
         args += ["--speculative-config", o.speculative.model_dump_json()]
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", **family_env}
-    if o.cpu_kvcache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(o.cpu_kvcache_space_gib)
     if o.cpu_threads is not None:  # share the host's cores: no pinning, a bounded OpenMP pool
         env.update(OMP_NUM_THREADS=str(o.cpu_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     return ServerSpec(python=python, module=VLLM_MODULE, args=args + list(o.extra_args), env=env,

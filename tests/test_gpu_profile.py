@@ -89,6 +89,24 @@ def test_speculative_decoding_is_a_typed_profile_option_passed_as_speculative_co
             parse_profile(data)
 
 
+def test_cpu_profile_vllm_kv_caches_hold_their_batches_and_no_more_than_needed(model_dir):
+    """On CPU vLLM allocates its whole KV cache at start and it stays resident, so the cpu profile sizes each
+    (``--kv-cache-memory-bytes``): at least ``max_batch_size`` full-length sequences of the real configs (KV bytes
+    per token from grafting.memory), and for the tiny speech LM far below vLLM's CPU default of 4 GiB."""
+    from grafting.memory import kv_bytes_per_token, read_config
+    from services.vllm_server import server_spec, speech_server_spec
+
+    prof = load_profile("cpu")
+    for spec, cfg, llm in ((server_spec(prof.vlm.engine, "llm"), prof.vlm.engine, prof.vlm.engine.llm),
+                           (speech_server_spec(prof.tts.engine, "lm"), prof.tts.engine, prof.tts.engine.lm)):
+        a = spec.args
+        kv, ctx = int(a[a.index("--kv-cache-memory-bytes") + 1]), int(a[a.index("--max-model-len") + 1])
+        per_token = kv_bytes_per_token(read_config(model_dir / llm), 4)  # fp32
+        assert kv // (per_token * ctx) >= cfg.max_batch_size, (llm, kv, per_token, ctx)
+        assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
+    assert kv <= 64 << 20  # the speech LM: 512 B a token
+
+
 # --- memory plan (services/memory_plan.py; model math in grafting/video/audio .memory) ---------------------------
 
 GB = 10**9  # GPU sizes as sold: "80 GB" (H100/A100) and "141 GB" (H200), in decimal bytes (74.5 / 131.3 GiB)
