@@ -6,8 +6,9 @@ Usage: ``python engine_guard.py <command> [args...]`` (run by file path, stdlib 
 spawns its engine-core and worker processes, which outlive a killed API server unless someone reaps them: the
 guard is that someone. When the command exits (crash, kill), or when the guard gets SIGTERM/SIGINT/SIGHUP
 (supervisor stopping it, or the supervisor's process dying), it sends SIGTERM to the command, waits up to
-``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Should the guard be SIGKILLed
-itself, the command dies with it (``PR_SET_PDEATHSIG``) and the command's own Python children follow their
+``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Those signals are unblocked
+at start (a mask inherited from a thread that blocks them would hold the parent-death SIGTERM pending forever).
+Should the guard be SIGKILLed itself, the command dies with it (``PR_SET_PDEATHSIG``) and the command's own Python children follow their
 parents down (``services/engine_site/sitecustomize.py``, activated by ``CHIMERA_ENGINE_DIE_WITH_PARENT=1``). Exit status: the command's
 (128 + N when the command, or the guard itself, was killed by signal N).
 """
@@ -22,11 +23,13 @@ import sys
 import time
 
 GRACE_S = 5.0
+DOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 
 
 def _die_with_guard() -> None:  # in the command's process, between fork and exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, DOWN_SIGNALS)  # the engine starts with no signal blocked
 
 
 def kill_group_but_me() -> None:
@@ -57,8 +60,12 @@ def main(argv: list[str]) -> int:
             kill_group_but_me()
             os._exit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in DOWN_SIGNALS:
         signal.signal(sig, down)
+    # The signal mask is inherited across fork and exec: spawned from a thread that blocks SIGINT/SIGTERM (Ray's
+    # worker threads do), the guard never saw its parent-death SIGTERM and stayed, with the engine, orphaned.
+    # Unblocked only now that the handlers are in place (a SIGTERM pending since start is handled at once).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, DOWN_SIGNALS)
     code = child.wait()
     kill_group_but_me()  # the command's own children (vLLM's engine core and workers)
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it

@@ -145,13 +145,17 @@ def test_missing_interpreter_is_a_clear_error(spec):
         ServerProcess(spec).start()
 
 
-def start_supervisor_process(spec, tmp_path) -> tuple[subprocess.Popen, int]:
+def start_supervisor_process(spec, tmp_path, block_signals: bool = False) -> tuple[subprocess.Popen, int]:
     """Run a ServerProcess in a child Python process (the replica's place); returns that process and the guard's
-    process-group id once the stand-in server is ready. Its log goes to tmp_path (it is killed, not stopped)."""
+    process-group id once the stand-in server is ready. Its log goes to tmp_path (it is killed, not stopped).
+    ``block_signals``: SIGINT and SIGTERM blocked in the supervising threads, as in a Ray Serve replica (where a
+    guard inherited that mask and never saw its parent-death SIGTERM: found orphaned with it pending)."""
     fields = dict(spec.__dict__, log_path=str(tmp_path / "engine.log"))
     code = textwrap.dedent(f'''
-        import sys, time
+        import signal, sys, time
         from services.engine_process import ServerProcess, ServerSpec
+        if {block_signals!r}:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT, signal.SIGTERM}})
         s = ServerProcess(ServerSpec(**{fields!r})).start()
         print("ready" if s.wait_ready({CEILING_S}) else "failed", s.pid, flush=True)
         time.sleep(600)
@@ -162,8 +166,9 @@ def start_supervisor_process(spec, tmp_path) -> tuple[subprocess.Popen, int]:
     return sup, int(line[1])
 
 
-def test_never_orphaned_when_the_supervising_process_is_killed(spec, tmp_path):
-    sup, pgid = start_supervisor_process(spec, tmp_path)
+@pytest.mark.parametrize("block_signals", [False, True], ids=["plain", "signals-blocked-as-in-ray"])
+def test_never_orphaned_when_the_supervising_process_is_killed(spec, tmp_path, block_signals):
+    sup, pgid = start_supervisor_process(spec, tmp_path, block_signals)
     (server, worker), = pids_of(spec)
     assert set(group_members(pgid)) == {pgid, server, worker}
     sup.kill()  # SIGKILL: no atexit, no finally; only the kernel's parent-death signal is left
