@@ -102,6 +102,13 @@ def _ctx() -> Need:
     return Need("cuda context", CUDA_CONTEXT_BYTES, "allowance per process and GPU")
 
 
+def _vllm_share(options, gpu_bytes: int) -> Need:
+    """What vLLM takes of each of its GPUs: ``gpu_memory_utilization`` (vLLM's default when unset) x the GPU's
+    bytes."""
+    util = options.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
+    return Need("vLLM share", int(util * gpu_bytes), f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")
+
+
 def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, owner: str) -> Placement:
     from grafting.memory import vlm_needs
 
@@ -116,9 +123,8 @@ def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, own
     if proj is None:
         pl.notes.append(f"projector sizes assumed (no {proj_dir / 'config.json'}): {e.projector}")
     if e.backend == "vllm":
-        util = e.vllm.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
-        share = int(util * gpu_bytes)
-        pl.per_gpu = [Need("vLLM share", share, f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")]
+        pl.per_gpu = [_vllm_share(e.vllm, gpu_bytes)]
+        share = pl.per_gpu[0].bytes
         inside = n.llm + [kv, _ctx()]
         need = sum(x.bytes for x in inside)
         pool = share - need + kv.bytes
@@ -146,9 +152,8 @@ def _tts(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, own
     # vLLM's server holds the LM (weights, KV cache, activations) inside its share; the replica keeps SNAC
     in_vllm = [n for n in needs if n.what.startswith(("lm ", "kv "))]
     pl = Placement(owner, gpus, first=[n for n in needs if n not in in_vllm] + [_ctx()])
-    util = e.vllm.gpu_memory_utilization or VLLM_DEFAULT_UTILIZATION
-    share = int(util * gpu_bytes)
-    pl.per_gpu = [Need("vLLM share", share, f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")]
+    pl.per_gpu = [_vllm_share(e.vllm, gpu_bytes)]
+    share = pl.per_gpu[0].bytes
     inside = in_vllm + [_ctx()]
     need = sum(x.bytes for x in inside)
     pl.notes.append("inside vLLM's share: " + ", ".join(f"{x.what} {x.bytes / GIB:.2f} GiB" for x in inside))
