@@ -26,3 +26,39 @@ def test_service_answers_colour_and_shape_of_held_out_images(openai_client):
             right[qtype] += answer == s.answer(qtype)
     # measured on all 200 held-out images: colour 100%, shape 91.5% (README "Grafting")
     assert right["colour"] == 4 and right["shape"] >= 3, right
+
+
+def test_served_graft_gives_the_eval_commands_figures_on_held_out_scenes(openai_client, tmp_path):
+    """Issue 15: the held-out scene questions (held-out renderings x held-out phrasings, grafting.scenes) answered
+    through the openai SDK by the running service (vLLM backend, float32) give the figures of ``chimera graft eval
+    --generate`` (in-process transformers reference, float32 like the service): same greedy text per question, so
+    the same generated accuracy per type and the same one-word format check. The shipped graft's figures
+    themselves are the README's; here only their equality is asserted."""
+    from PIL import Image
+
+    from grafting.data import read_jsonl
+    from grafting.freeform import evaluate_generated, one_word, read_answer
+    from grafting.scenes import write_dataset
+    from grafting.train import load_checkpoint_config, load_graft
+
+    rows = read_jsonl(write_dataset(tmp_path, n_train=0, n_test=2, seed=0)["test"])
+    assert {r["question_type"] for r in rows} >= {"colour", "shape", "count", "yesno", "multi"}
+    mc = load_checkpoint_config("grafting/assets/cpu_shapes")
+    mc.llm_dtype = "float32"
+    vlm, processor = load_graft(mc)
+    ref = evaluate_generated(vlm, processor, rows)
+    hits, fmt, texts = {}, [], []
+    for r in rows:
+        question = r["conversations"][0]["value"].replace("<image>", "").strip()
+        image = Image.open(tmp_path / r["image"]).convert("RGB")
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": question}]}]
+        out = openai_client.chat.completions.create(model="chimera-vlm", messages=msgs, max_tokens=12, temperature=0)
+        text = out.choices[0].message.content
+        texts.append(text)
+        hits.setdefault(r["question_type"], []).append(read_answer(text, r["question_type"]) == r["answer_word"])
+        if r["style"] == "word":
+            fmt.append(one_word(text))
+    assert [s[1] for s in ref["samples"]] == texts[:len(ref["samples"])]
+    assert {k: sum(v) / len(v) for k, v in sorted(hits.items())} == ref["accuracy"]
+    assert (sum(fmt) / len(fmt) if fmt else None) == ref["format_obeyed"]
