@@ -294,6 +294,9 @@ def train(cfg: TrainConfig, log=print) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if start == 0 or not log_path.exists():
             log_path.write_text("step,stage,loss,lr,tokens,seconds\n")
+        else:  # resumed: drop the rows of steps after the checkpoint (they are run again), so each step is logged once
+            header, *rows = log_path.read_text().splitlines(keepends=True)
+            log_path.write_text(header + "".join(r for r in rows if int(r.split(",", 1)[0]) <= start))
     bar = tqdm(total=cfg.total_steps, initial=start, disable=not acc.is_main_process, desc="graft train")
     t0, last_loss, window = time.perf_counter(), float("nan"), []
     step = start

@@ -92,9 +92,14 @@ def test_train_loss_goes_down_checkpoints_reload_and_resume_exactly(dirs, tmp_pa
 
     # resume: a fresh run from checkpoint-4 ends with exactly the same projector as the uninterrupted run
     shutil.copytree(tmp_path / "run" / "checkpoint-4", tmp_path / "run2" / "checkpoint-4")
+    # as after a run stopped at step 6: the log holds steps 5 and 6, run again from checkpoint-4
+    (tmp_path / "run2" / "log.csv").write_text("".join((tmp_path / "run" / "log.csv").open().readlines()[:7]))
     logs = []
     train(cfg.model_copy(update={"output_dir": str(tmp_path / "run2")}), log=logs.append)
     assert any("resumed" in m and "step 4" in m for m in logs)
+    resumed = list(csv.DictReader(open(tmp_path / "run2" / "log.csv")))
+    assert [int(r["step"]) for r in resumed] == list(range(1, 9))  # each step once, 5 and 6 from the resumed run
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
     from safetensors.torch import load_file
 
     p1 = load_file(tmp_path / "run/final/projector/model.safetensors")
