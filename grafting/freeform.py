@@ -63,20 +63,29 @@ def generate_answer(vlm: GraftedVLM, processor: GraftProcessor, messages: list[d
 
 def evaluate_generated(vlm: GraftedVLM, processor: GraftProcessor, rows: list[dict], max_new_tokens: int = 12,
                        progress: bool = False) -> dict:
-    """Generated-answer accuracy per question type and the one-word format check over ``rows``.
-
-    Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "format_obeyed": acc over style-``word`` rows,
-    "format_n", "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text,
-    right answer)``}``."""
-    hits, fmt, failures, samples = defaultdict(list), [], [], []
+    """Greedy-generate the answer to each of ``rows`` (:func:`generate_answer`) and score the texts
+    (:func:`score_generated`; same return value)."""
     it = rows
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(rows, desc="eval generated")
-    for row in it:
-        msgs = to_messages({"conversations": row["conversations"][:1]}, load_image(row))
-        text = generate_answer(vlm, processor, msgs, max_new_tokens)
+    texts = [generate_answer(vlm, processor, to_messages({"conversations": row["conversations"][:1]}, load_image(row)),
+                             max_new_tokens) for row in it]
+    return score_generated(rows, texts)
+
+
+def score_generated(rows: list[dict], texts: list[str]) -> dict:
+    """Generated-answer accuracy per question type and the one-word format check of ``texts``, the answers to
+    ``rows`` in order (whoever generated them: this process or the served API).
+
+    Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "format_obeyed": acc over style-``word`` rows,
+    "format_n", "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text,
+    right answer)``}``. Raises ValueError when ``rows`` and ``texts`` differ in length."""
+    if len(rows) != len(texts):
+        raise ValueError(f"{len(rows)} rows but {len(texts)} texts")
+    hits, fmt, failures, samples = defaultdict(list), [], [], []
+    for row, text in zip(rows, texts):
         q = row["conversations"][0]["value"].replace("<image>", "").strip()
         hits[row["question_type"]].append(read_answer(text, row["question_type"]) == row["answer_word"])
         if row.get("style") == "word":

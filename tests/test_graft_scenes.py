@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grafting import scenes as sc
-from grafting.freeform import one_word, read_answer
+from grafting.freeform import one_word, read_answer, score_generated
 from grafting.report import varied_table
 
 
@@ -108,6 +108,22 @@ def test_one_word_and_reading_answers_out_of_text():
     assert read_answer("Yes, it is.", "yesno") == "yes" and read_answer("It is.", "yesno") is None
     assert read_answer("A green square.", "multi") == "green square"
     assert read_answer("The shape is in the top left.", "position") == "top left"
+
+
+def test_score_generated_counts_answers_and_the_one_word_format():
+    def row(qtype, style, word, answer):
+        return {"question_type": qtype, "style": style, "answer_word": word,
+                "conversations": [{"value": f"<image>\n{qtype}?"}, {"value": answer}]}
+
+    rows = [row("colour", "word", "red", "Red"), row("colour", "short", "blue", "Blue."),
+            row("shape", "word", "circle", "Circle")]
+    res = score_generated(rows, ["Red", "Green.", "A circle."])
+    assert res["accuracy"] == {"colour": 0.5, "shape": 1.0} and res["n"] == {"colour": 2, "shape": 1}
+    assert res["format_obeyed"] == 0.5 and res["format_n"] == 2
+    assert res["format_failures"] == [("shape?", "A circle.")]
+    assert res["samples"][1] == ("colour?", "Green.", "Blue.")
+    with pytest.raises(ValueError, match="3 rows but 2 texts"):
+        score_generated(rows, ["Red", "Blue"])
 
 
 def test_varied_table_prints_every_row():
