@@ -60,7 +60,10 @@ def _wait(ray, mgr, job_id, until, timeout=600):
 def _gone(pid: int, timeout: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout  # a ceiling against a hang, not a speed requirement
     while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:  # gone before or while being looked at (no pid_exists-then-status race)
             return True
         time.sleep(0.1)
     return False
