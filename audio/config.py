@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from grafting.config import VLLMOptions
+from grafting.config import ConfigFieldError, VLLMOptions
 
 ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 ORPHEUS_TAGS = ["laugh", "chuckle", "sigh", "cough", "sniffle", "groan", "yawn", "gasp"]
+DEFAULT_SPEED = 1.0  # the speed of a request (or websocket session) that sends none
 
 
 class _Strict(BaseModel):
@@ -142,7 +143,24 @@ class TTSConfig(_Strict):
         return 4 * self.max_sentence_chars + 64 + self.layout.positions * self.max_frames
 
     @model_validator(mode="after")
-    def _default_voice_known(self):
+    def _defaults_within_limits(self):
+        """Every default a request falls back on must pass that request's own check (``audio/validate.py``), else
+        every request leaving it out is a 400 about a field it never sent: ``default_voice`` in ``voices``,
+        ``voices`` lower-case (a request's voice is matched lower-cased), :data:`DEFAULT_SPEED` within
+        ``[min_speed, max_speed]``, ``seed`` with ``|seed| < 2**63``; and ``min_frames <= max_frames``. Raises
+        ConfigFieldError naming the key."""
+        upper = [v for v in self.voices if v != v.lower()]
+        if upper:
+            raise ConfigFieldError("voices", f"{upper} are not lower-case: a request's voice is matched lower-cased, "
+                                   "so they could never be chosen")
         if self.default_voice not in self.voices:
-            raise ValueError(f"default_voice {self.default_voice!r} is not in voices")
+            raise ConfigFieldError("default_voice", f"{self.default_voice!r} is not in voices ({self.voices})")
+        if self.min_speed > DEFAULT_SPEED:
+            raise ConfigFieldError("min_speed", f"{self.min_speed} is over the default speed {DEFAULT_SPEED}")
+        if self.max_speed < DEFAULT_SPEED:
+            raise ConfigFieldError("max_speed", f"{self.max_speed} is under the default speed {DEFAULT_SPEED}")
+        if self.seed is not None and not -2**63 < self.seed < 2**63:
+            raise ConfigFieldError("seed", f"{self.seed} is outside |seed| < 2**63")
+        if self.min_frames > self.max_frames:
+            raise ConfigFieldError("min_frames", f"{self.min_frames} is over max_frames ({self.max_frames})")
         return self

@@ -18,6 +18,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+class ConfigFieldError(ValueError):
+    """A config value that every request would then be refused over (a default outside its own limit), raised by
+    a family config's cross-field validator. ``field``: the key's dotted path inside that config
+    (``default_max_new_tokens``, ``defaults.frames_per_clip``); ``services.profiles`` prefixes the section's path
+    (``vlm.engine.``) when it reports it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.reason = field, message
+
+
 class ImageTokens(_Strict):
     """Special-token strings of an image span ``<start> <image>*N <end>``; all must already be in the
     LLM vocabulary (the vocabulary is never resized). GLM: ``<|begin_of_image|>``, ``<|image|>``,
@@ -199,3 +210,13 @@ class VLMConfig(_Strict):
     build: CpuBuild | None = None
     backend: str = Field("transformers", pattern="^(transformers|vllm)$")
     vllm: VLLMOptions = VLLMOptions()
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> VLMConfig:
+        """A request without ``max_tokens`` gets ``default_max_new_tokens``, which must pass the request's own
+        check (1..``max_new_tokens``): else every such request is a 400 about a field it never sent. Raises
+        ConfigFieldError."""
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ConfigFieldError("default_max_new_tokens", f"{self.default_max_new_tokens} is over max_new_tokens "
+                                   f"({self.max_new_tokens}): every request without max_tokens would be refused")
+        return self

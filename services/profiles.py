@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from audio.config import TTSConfig
-from grafting.config import VLMConfig
+from grafting.config import ConfigFieldError, VLMConfig
 from video.config import VideoConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -172,10 +172,17 @@ def profile_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def _format_validation_error(err: ValidationError) -> str:
+    """Each error as ``  <dotted key>: <reason>``; a family config's cross-field check
+    (:class:`grafting.config.ConfigFieldError`) names its key below the section (``vlm.engine`` +
+    ``default_max_new_tokens``)."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not str(x).startswith("FamilySection"))
-        lines.append(f"  {loc or '<root>'}: {e['msg']}")
+        loc = [str(x) for x in e["loc"] if not str(x).startswith("FamilySection")]
+        msg = e["msg"]
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigFieldError):
+            loc, msg = loc + [cause.field], cause.reason
+        lines.append(f"  {'.'.join(loc) or '<root>'}: {msg}")
     return "invalid profile:\n" + "\n".join(lines)
 
 

@@ -16,6 +16,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from grafting.config import ConfigFieldError
+
+MAX_GUIDANCE_SCALE = 50.0  # a request's guidance_scale must be in [0, this] (video/request.py)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -52,6 +56,7 @@ class VideoDefaults(_Strict):
     num_inference_steps: int = Field(40, ge=1)
     guidance_scale: float = Field(5.0, ge=0)
     negative_prompt: str = ""
+
 
 
 class JobOptions(_Strict):
@@ -224,6 +229,44 @@ class VideoConfig(_Strict):
     limits: VideoLimits = VideoLimits()
     jobs: JobOptions = JobOptions()
     build: VideoBuild | None = None
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self):
+        """Every default a request falls back on must pass that request's own check (``video/request.py``), else
+        every request leaving it out is a 400 about a field it never sent: ``defaults`` width/height positive
+        multiples of :attr:`size_multiple` within ``limits`` (``max_width``, ``max_height``, ``max_pixels``),
+        ``frames_per_clip`` 4k+1 (k >= 1) and at most ``limits.max_frames_per_clip``, ``num_inference_steps`` (also ``fast``'s) at most
+        ``limits.max_steps``, ``guidance_scale`` (also ``fast``'s) at most :data:`MAX_GUIDANCE_SCALE`,
+        ``negative_prompt`` at most ``limits.max_prompt_chars``. Raises ConfigFieldError naming the key."""
+        d, lim, mult = self.defaults, self.limits, self.size_multiple
+        for name, v, cap in (("width", d.width, lim.max_width), ("height", d.height, lim.max_height)):
+            if v <= 0 or v % mult:
+                raise ConfigFieldError(f"defaults.{name}", f"{v} is not a positive multiple of {mult} pixels (variant "
+                                       f"{self.variant})")
+            if v > cap:
+                raise ConfigFieldError(f"defaults.{name}", f"{v} is over limits.max_{name} ({cap})")
+        if d.width * d.height > lim.max_pixels:
+            raise ConfigFieldError("defaults.width", f"{d.width}x{d.height} is over limits.max_pixels "
+                                   f"({lim.max_pixels})")
+        f = d.frames_per_clip
+        if f < 5 or (f - 1) % 4:
+            raise ConfigFieldError("defaults.frames_per_clip", f"{f} is not 4k+1 with k >= 1 (Wan's VAE compresses "
+                                   "time by 4)")
+        if f > lim.max_frames_per_clip:
+            raise ConfigFieldError("defaults.frames_per_clip", f"{f} is over limits.max_frames_per_clip "
+                                   f"({lim.max_frames_per_clip})")
+        steps = [("defaults", d.num_inference_steps, d.guidance_scale)]
+        if self.fast is not None:
+            steps.append(("fast", self.fast.num_inference_steps, self.fast.guidance_scale))
+        for where, n, g in steps:
+            if n > lim.max_steps:
+                raise ConfigFieldError(f"{where}.num_inference_steps", f"{n} is over limits.max_steps ({lim.max_steps})")
+            if g > MAX_GUIDANCE_SCALE:
+                raise ConfigFieldError(f"{where}.guidance_scale", f"{g} is over {MAX_GUIDANCE_SCALE:g}")
+        if len(d.negative_prompt) > lim.max_prompt_chars:
+            raise ConfigFieldError("defaults.negative_prompt", f"{len(d.negative_prompt)} characters, over "
+                                   f"limits.max_prompt_chars ({lim.max_prompt_chars})")
+        return self
 
     @model_validator(mode="after")
     def _latent_needs_ti2v(self):
