@@ -104,6 +104,9 @@ class ServerProcess:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._changed = threading.Condition()
+        # Held by a spawn (from its check of _stop until the new process is in _proc) and by stop()'s kill: a stop
+        # that lands during a spawn waits for it and kills what it started; a spawn after a stop starts nothing.
+        self._spawn_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._owns_log = spec.log_path is None  # a temporary log is ours to remove when stopped
         self.log_path = spec.log_path or tempfile.mkstemp(prefix="engine-", suffix=".log")[1]
@@ -152,9 +155,11 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop supervising and terminate the server's process group (SIGTERM, SIGKILL after ``grace_s``).
-        A temporary log (no ``spec.log_path``) is removed then: read ``log_tail()`` before stopping."""
+        A stop during a spawn waits for the spawn and terminates the process it started; no spawn starts after
+        it. A temporary log (no ``spec.log_path``) is removed then: read ``log_tail()`` before stopping."""
         self._stop.set()
-        self._terminate(grace_s)
+        with self._spawn_lock:
+            self._terminate(grace_s)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=grace_s + 5)
         self._set_state("stopped")
@@ -176,20 +181,25 @@ class ServerProcess:
             self.state = state
             self._changed.notify_all()
 
-    def _spawn(self) -> None:
+    def _spawn(self) -> bool:
+        """Start the server process into ``_proc`` unless ``stop()`` was called; returns whether it started."""
         env = dict(os.environ)
         env.update(self.spec.env)
         # the engine's processes follow a dead parent down (services/engine_site/sitecustomize.py)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ENGINE_SITE, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, GUARD, self.spec.python, "-m", self.spec.module, *self.spec.args,
                 "--host", self.spec.host, "--port", str(self.port)]
-        log = open(self.log_path, "ab")
-        try:
-            self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
-        finally:
-            log.close()
+        with self._spawn_lock:
+            if self._stop.is_set():
+                return False
+            log = open(self.log_path, "ab")
+            try:
+                self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=_die_with_parent)
+            finally:
+                log.close()
+        return True
 
     def _healthy(self) -> bool:
         try:
@@ -220,8 +230,7 @@ class ServerProcess:
 
     def _supervise(self) -> None:
         failed_starts = 0
-        while not self._stop.is_set():
-            self._spawn()
+        while self._spawn():
             started, failures = time.monotonic(), 0
             became_ready = False
             while not self._stop.is_set():

@@ -230,3 +230,37 @@ def test_a_taken_port_costs_one_failed_start_then_another_port_serves(spec):
             assert httpx.get(f"{s.base_url}/health").status_code == 200
         finally:
             s.stop()
+
+
+def test_a_stop_during_a_spawn_kills_what_the_spawn_started(spec, monkeypatch):
+    """Issue 24 item 11: ``stop()`` called while the supervisor thread is inside ``Popen`` (the process exists but
+    is not yet in ``_proc``) must still end it; before, stop() found no process to kill, the spawn then stored it and
+    the supervisor left: the server ran on unsupervised until the guard's parent-death signal (the supervisor
+    thread's exit) caught up with it, after stop() had returned. The interleaving is forced with events."""
+    import threading
+
+    import services.engine_process as ep
+
+    in_spawn, release, spawned = threading.Event(), threading.Event(), []
+    real_popen = subprocess.Popen
+
+    def held_popen(*args, **kwargs):  # the real Popen, then held until stop() has been called
+        p = real_popen(*args, **kwargs)
+        spawned.append(p)
+        in_spawn.set()
+        assert release.wait(CEILING_S)
+        return p
+
+    monkeypatch.setattr(ep.subprocess, "Popen", held_popen)
+    s = ServerProcess(spec).start()
+    assert in_spawn.wait(CEILING_S)
+    stopper = threading.Thread(target=s.stop)
+    stopper.start()
+    assert s._stop.wait(CEILING_S)  # stop() has begun
+    release.set()
+    stopper.join(CEILING_S)
+    assert not stopper.is_alive() and s.state == "stopped" and s.pid is None
+    (guard,) = spawned
+    assert guard.poll() is not None  # stop() itself ended what the spawn started, before returning
+    assert wait_until(lambda: not group_members(guard.pid))
+    assert not any(alive(p) for pair in pids_of(spec) for p in pair)
