@@ -136,5 +136,6 @@ def test_readme_example(block, serve_url, tmp_path):
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     report = f"README.md:{block.line} exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}"
     assert p.returncode == 0, report
+    assert "Warning" not in p.stderr, f"an example's output is not clean:\n{report}"  # e.g. the SDK's Sora notice
     missing = first_unmatched(block.shown, p.stdout.split("\n"))
     assert missing is None, f"shown line not printed: {missing!r}\n{report}"
