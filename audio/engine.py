@@ -74,6 +74,8 @@ class TTSEngine:
     ``snac_decoder``: the one :class:`audio.snac_stream.BatchedSnacDecoder` of this engine's concurrent
     syntheses (their windows ready together are decoded in one batched call; ``cfg.snac_batch_frames`` frames at
     most), or None when ``cfg.snac_batch_frames`` is 0 (each synthesis decodes in its own thread).
+    ``frames_generated``: audio frames that reached the decoder since the engine was built, all syntheses
+    together (a measure of work done: a cancelled synthesis stops adding to it).
     """
 
     def __init__(self, cfg: TTSConfig, lm, tokenizer, snac):
@@ -84,6 +86,8 @@ class TTSEngine:
         self.control_ids = {c.start_of_speech, c.end_of_speech, c.start_of_human, c.end_of_human, c.start_of_ai,
                             c.end_of_ai, c.pad, c.end_of_text, *tokenizer.all_special_ids,
                             *(i for i, t in tokenizer.added_tokens_decoder.items() if t.content.strip())}
+        self.frames_generated = 0
+        self._frames_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg: TTSConfig, model_dir: str | Path, lm_client=None) -> "TTSEngine":
@@ -190,6 +194,8 @@ class TTSEngine:
             frames = generate_frames(self.lm, self.layout, self.prompt(voice, text), self.cfg.sampling,
                                      self.cfg.loop_guard, self.max_frames_for(text), gen, cancel, report)
             for frame in frames:
+                with self._frames_lock:
+                    self.frames_generated += 1
                 out = resampler.push(decoder.push(frame).numpy())
                 if len(out):
                     n_samples += len(out)

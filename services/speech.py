@@ -86,9 +86,11 @@ class Deployment:
             raise RuntimeError(f"the vLLM server failed: {self.server.last_error}")
 
     async def stats(self) -> dict:
-        """``backend``, ``active`` syntheses (worker threads alive) and, with vllm, ``engine_requests``: the
-        requests vLLM holds (running + waiting, from its ``/metrics``; None while it is down)."""
-        out = {"backend": self.engine.cfg.backend, "active": self.running}
+        """``backend``, ``active`` syntheses (worker threads alive), ``frames``: audio frames generated so far
+        (:attr:`audio.engine.TTSEngine.frames_generated`, a measure of work done) and, with vllm,
+        ``engine_requests``: the requests vLLM holds (running + waiting, from its ``/metrics``; None while it is
+        down)."""
+        out = {"backend": self.engine.cfg.backend, "active": self.running, "frames": self.engine.frames_generated}
         if self.lm_client is not None:
             from grafting.llm_client import EngineUnavailableError
 
@@ -314,8 +316,11 @@ class _Session:
     """One websocket session: a reader (client events) and a speaker (synthesis) run concurrently.
 
     Complete sentences start synthesizing as soon as they are in the buffer; ``input_text.commit`` sends the
-    rest and ends the utterance (one ``response.audio.done`` per commit). ``response.cancel`` drops the
-    utterance in progress (queued sentences, uncommitted text, the synthesis running). A synthesis error (e.g.
+    rest and ends the utterance (one ``response.audio.done`` per commit). ``response.cancel`` stops the
+    utterance in progress, the oldest one without its ``response.audio.done`` (its synthesis running, its queued
+    sentences and, when it is the uncommitted one, the buffer): it gets a ``cancelled`` done at once, and the
+    utterances after it still play. Nothing in progress: the buffer is cleared and a ``cancelled`` done with
+    ``response_id`` null is sent. A synthesis error (e.g.
     ``no_audio``) is an ``error`` event and that utterance's ``response.audio.done`` has ``status: "failed"``.
     Every client event and ``session`` field is checked: another field is ``unsupported_parameter``, text that is
     not valid Unicode ``invalid_unicode`` (nothing of the event is applied). Recoverable errors are
@@ -341,7 +346,8 @@ class _Session:
         self.send_lock = asyncio.Lock()
         self.response_id: str | None = None
         self.next_index = 0  # sentence index within the current utterance (seeds)
-        self.generation = 0  # bumped by cancel: queued work of older generations is dropped
+        self.open: dict[str, bool] = {}  # utterances without their done yet, oldest first -> committed
+        self.cancelled: set[str] = set()  # cancelled utterances whose queued items the speaker still skips
         self.current: asyncio.Task | None = None
         self.speaking: str | None = None  # response id being synthesized
         self.limits = profile.server.limits
@@ -433,13 +439,14 @@ class _Session:
         if self.response_id is None:
             self.response_id = f"resp_{uuid.uuid4().hex[:24]}"
             self.next_index = 0
+            self.open[self.response_id] = False
         return self.response_id
 
     def _dispatch(self, sentences: list[str]) -> None:
         if sentences:
             self.speakable = self.speakable or any(speakable(self.cfg, x) for x in sentences)
             rid = self._response()
-            self.queue.put_nowait(("speak", self.generation, rid, sentences, self.next_index, dict(self.session)))
+            self.queue.put_nowait(("speak", rid, sentences, self.next_index, dict(self.session)))
             self.next_index += len(sentences)
 
     async def append(self, text: Any) -> None:
@@ -462,22 +469,32 @@ class _Session:
         rest = self.buffer.finish()
         if not (self.speakable or any(speakable(self.cfg, x) for x in rest)):
             if self.response_id is not None:  # tag-only sentences already queued: drop their response
-                self.queue.put_nowait(("drop", self.generation, self.response_id))
+                self.open.pop(self.response_id, None)
+                self.queue.put_nowait(("drop", self.response_id))
             self.response_id, self.chars, self.speakable = None, 0, False
             raise SpeechInputError("nothing to speak: append text first (unsupported tags are not read aloud)",
                                    "text", "empty_input")
         self._dispatch(rest)
         self.pending_commits += 1
-        self.queue.put_nowait(("done", self.generation, self._response()))
+        rid = self._response()
+        self.open[rid] = True
+        self.queue.put_nowait(("done", rid))
         self.response_id, self.chars, self.speakable = None, 0, False
 
     async def cancel(self) -> None:
-        rid = self.speaking or self.response_id
-        self.generation += 1
-        self.buffer.clear()
-        self.response_id, self.chars, self.speakable = None, 0, False
-        if self.current is not None:
-            self.current.cancel()
+        """``response.cancel``: stop the utterance in progress (see the class docstring); later ones still play."""
+        rid = next(iter(self.open), None)
+        if rid is None or rid == self.response_id:  # the uncommitted utterance (or only buffered text)
+            self.buffer.clear()
+            self.response_id, self.chars, self.speakable = None, 0, False
+        if rid is not None:
+            if self.open.pop(rid):
+                self.pending_commits -= 1
+            else:  # uncommitted: no "done" item will come to end its skipping
+                self.queue.put_nowait(("drop", rid))
+            self.cancelled.add(rid)
+            if self.speaking == rid and self.current is not None:
+                self.current.cancel()
         await self.send({"type": "response.audio.done", "response_id": rid, "status": "cancelled", "usage": None})
 
     async def speaker(self) -> None:
@@ -485,36 +502,37 @@ class _Session:
         failed: set[str] = set()  # responses that had an error event: their done says "failed"
         while True:
             item = await self.queue.get()
-            if item[0] == "done":
-                self.pending_commits -= 1
-            if item[1] != self.generation:
-                usage.pop(item[2], None)
-                continue  # a cancelled utterance
-            rid = item[2]
-            if item[0] == "drop":  # an utterance with nothing to speak: no done event
+            kind, rid = item[0], item[1]
+            if kind == "drop" or (kind == "done" and rid in self.cancelled):  # its last item; no done to send
                 usage.pop(rid, None)
                 failed.discard(rid)
+                self.cancelled.discard(rid)
+                continue
+            if rid in self.cancelled:  # a sentence of a cancelled utterance
                 continue
             u = usage.setdefault(rid, {"audio_seconds": 0.0, "sentences": 0, "stripped_tags": [], "loops": []})
-            if item[0] == "done":
+            if kind == "done":
                 usage.pop(rid, None)
+                self.open.pop(rid, None)
+                self.pending_commits -= 1
                 u["audio_seconds"] = round(u["audio_seconds"], 4)
                 status = "failed" if rid in failed else "completed"
                 failed.discard(rid)
                 await self.send({"type": "response.audio.done", "response_id": rid, "status": status, "usage": u})
                 continue
-            _, gen, rid, sentences, first_index, sess = item
+            _, rid, sentences, first_index, sess = item
             self.speaking = rid
             self.current = asyncio.create_task(self.speak(rid, sentences, first_index, sess, u))
             try:
                 await self.current
             except asyncio.CancelledError:
-                if gen == self.generation or asyncio.current_task().cancelling():
+                if rid not in self.cancelled or asyncio.current_task().cancelling():
                     raise  # the session itself is closing (not a response.cancel)
             except Exception as exc:  # noqa: BLE001 - report and keep the socket
-                err = to_api_error(exc)
-                failed.add(rid)
-                await self.error(err.message, err.code or "synthesis_failed", err.param, err.type)
+                if rid not in self.cancelled:  # after its cancelled done, nothing more of it is sent
+                    err = to_api_error(exc)
+                    failed.add(rid)
+                    await self.error(err.message, err.code or "synthesis_failed", err.param, err.type)
             finally:
                 self.current, self.speaking = None, None
 

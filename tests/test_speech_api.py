@@ -628,3 +628,71 @@ def test_eight_ws_sessions_cancelling_four_frees_their_slots(serve_url, ray_clus
     while _gauge(serve_url) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gauge(serve_url) == 0
+
+
+# --- the router over the real cpu speech engine, no Ray -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_app(profile, model_dir):
+    """The speech router over a Deployment of the cpu profile's engine (backend transformers, no Ray):
+    ``(app, deployment)``."""
+    import torch
+
+    from services.app import build_app
+    from services.backends import LocalBackend
+    from services.speech import Deployment
+
+    before = torch.get_num_threads()
+    section = profile.tts.model_dump(mode="json")
+    section["engine"]["backend"] = "transformers"
+    dep = Deployment(section, str(model_dir))  # sets 1 torch thread, as in Ray
+    yield build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)}), dep
+    torch.set_num_threads(before)
+
+
+def test_ws_cancel_stops_only_the_utterance_in_progress(local_app):
+    """Issue 24 (3): commit A, commit B, ``response.cancel`` while A speaks: A ends ``cancelled`` at once, B
+    still plays and ends ``completed`` with audio, and every commit gets exactly one ``response.audio.done``.
+    (The cancel once dropped every queued utterance: B never got a done and a client waiting for it hung.) C,
+    committed after the cancel, is the sentinel that ends the reading; an ``empty_input`` commit after it is
+    answered next, so no stray done is left behind. Work, not time: A (40 sentences, 7 frames each) is stopped,
+    so the frames generated during the whole session stay below A's 280."""
+    from starlette.testclient import TestClient
+
+    app, dep = local_app
+    long_text = " ".join(f"Sentence number {i} is here." for i in range(40))
+    frames0 = dep.engine.frames_generated
+    with TestClient(app) as client, client.websocket_connect("/v1/audio/speech/stream") as ws:
+        assert ws.receive_json()["type"] == "session.created"
+        ws.send_json({"type": "input_text.append", "text": long_text})
+        ws.send_json({"type": "input_text.commit"})
+        ws.send_json({"type": "input_text.append", "text": "Short one."})  # B: 1 sentence
+        ws.send_json({"type": "input_text.commit"})
+        first = ws.receive_json()
+        assert first["type"] == "response.audio.delta"  # A is speaking
+        a = first["response_id"]
+        ws.send_json({"type": "response.cancel"})
+        ws.send_json({"type": "input_text.append", "text": "Third one. And the end."})  # C: 2 sentences
+        ws.send_json({"type": "input_text.commit"})
+        dones, pcm, order = [], {}, []
+        while True:
+            m = ws.receive_json()
+            assert m["type"] in ("response.audio.delta", "response.audio.done"), m
+            rid = m["response_id"]
+            if m["type"] == "response.audio.delta":
+                assert rid not in [d["response_id"] for d in dones], "a delta after its response's done"
+                pcm[rid] = pcm.get(rid, b"") + base64.b64decode(m["delta"])
+                continue
+            dones.append(m)
+            if m["status"] == "completed" and m["usage"]["sentences"] == 2:
+                break  # C, the last commit
+        ws.send_json({"type": "input_text.commit"})
+        m = ws.receive_json()
+        assert m["type"] == "error" and m["error"]["code"] == "empty_input", m
+    assert [(d["response_id"] == a, d["status"]) for d in dones] == [(True, "cancelled"), (False, "completed"),
+                                                                      (False, "completed")], dones
+    b, c = dones[1], dones[2]
+    assert len({a, b["response_id"], c["response_id"]}) == 3
+    assert b["usage"]["sentences"] == 1 and len(pcm[b["response_id"]]) == 4 * 2048 * 2  # "Short one.": 4 frames
+    assert b["usage"]["audio_seconds"] == pytest.approx(4 * 2048 / 24000, abs=1e-3)
+    assert dep.running == 0
+    assert dep.engine.frames_generated - frames0 < 40 * 7, dep.engine.frames_generated - frames0
