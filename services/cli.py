@@ -96,23 +96,43 @@ app.add_typer(profile_app, name="profile")
 
 @profile_app.command("show")
 def profile_show(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
-                 gpu_memory_gib: float = typer.Option(None, help="memory of each GPU (default: the profile's "
-                                                                 "ray.gpu_memory_gib, else the local CUDA devices)"),
+                 gpu_memory: str = typer.Option(None, help="memory of each GPU with its unit: 80GB (decimal, as "
+                                                           "sold) or 74.5GiB (default: the profile's "
+                                                           "ray.gpu_memory_gib, else the local CUDA devices, else "
+                                                           "80GB)"),
+                 gpu_memory_gib: float = typer.Option(None, help="memory of each GPU in GiB (2**30 bytes); "
+                                                                 "--gpu-memory 74.5GiB says the same"),
                  gpus: int = typer.Option(None, help="number of GPUs (default: the profile's ray.num_gpus)")):
     """Print the memory plan: per deployment (and video job) the GPUs it lands on, weights, KV cache and
-    activations at the profile's limits; per GPU the total. Exit 1 when it does not fit, 2 on a profile error."""
-    from .memory_plan import GIB, PlanError, format_plan, local_gpu_bytes, plan, uses_gpus
+    activations at the profile's limits; per GPU the total (GiB, and GB in brackets). Without a GPU size from
+    the options, the profile or a local CUDA device it plans for 80 GB GPUs and says so. Exit 1 when it does not
+    fit, 2 on a profile error or a GPU size it cannot read."""
+    from .memory_plan import (DEFAULT_GPU_BYTES, GIB, PlanError, both_units, format_plan, gpu_bytes_of,
+                              parse_gpu_memory, plan, uses_gpus)
 
     prof = _load(profile)
     if not uses_gpus(prof):
         typer.echo(f"profile {prof.name}: no deployment asks for a GPU (nothing to plan)")
         return
-    size = int(gpu_memory_gib * GIB) if gpu_memory_gib else (
-        int(prof.ray.gpu_memory_gib * GIB) if prof.ray.gpu_memory_gib else local_gpu_bytes())
-    if size is None:
-        typer.echo("GPU memory unknown: pass --gpu-memory-gib or set ray.gpu_memory_gib (no CUDA device here)",
-                   err=True)
+    if gpu_memory is not None and gpu_memory_gib is not None:
+        typer.echo("give the GPU size once: --gpu-memory or --gpu-memory-gib", err=True)
         raise typer.Exit(2)
+    if gpu_memory is not None:
+        try:
+            size = parse_gpu_memory(gpu_memory)
+        except ValueError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+    elif gpu_memory_gib is not None:
+        size = int(gpu_memory_gib * GIB)
+    else:
+        size, source = gpu_bytes_of(prof)
+        if size is None:
+            size = DEFAULT_GPU_BYTES
+            typer.echo(f"GPU size: {source}; planning for {both_units(size)} GPUs (pass --gpu-memory, e.g. "
+                       "141GB, for another size)")
+        else:
+            typer.echo(f"GPU size: {both_units(size)}, from {source}")
     try:
         p = plan(prof, size, gpus)
     except PlanError as err:

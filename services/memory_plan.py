@@ -22,6 +22,7 @@ before starting Ray, ``chimera profile show`` prints :func:`format_plan`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,10 @@ from grafting.memory import Need, read_config
 from .profiles import CONFIG_DIR, Profile
 
 GIB = 1 << 30
+GB = 10**9  # GPUs are sold in decimal gigabytes: an "80 GB" GPU has 80e9 bytes = 74.5 GiB
+#: The GPU size ``chimera profile show`` plans for when none is given, the profile has no ``ray.gpu_memory_gib``
+#: and no CUDA device is visible: an 80 GB GPU (A100/H100 80GB).
+DEFAULT_GPU_BYTES = 80 * GB
 CUDA_CONTEXT_BYTES = GIB
 PUBLISHED = CONFIG_DIR / "published"
 VLLM_DEFAULT_UTILIZATION = 0.9
@@ -225,7 +230,7 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
 
 def format_plan(p: MemoryPlan, name: str) -> str:
     """The plan as text: per process its GPUs and every need (GiB and formula), per GPU the total, the verdict."""
-    out = [f"profile {name}: {p.n_gpus} GPUs x {p.gpu_bytes / GIB:.1f} GiB"]
+    out = [f"profile {name}: {p.n_gpus} GPUs x {both_units(p.gpu_bytes)}"]
     for pl in p.placements:
         out.append(f"{pl.owner} on GPU {','.join(map(str, pl.gpus))}")
         for x in pl.per_gpu:
@@ -234,9 +239,35 @@ def format_plan(p: MemoryPlan, name: str) -> str:
             out.append(f"  {x.what:30s} {x.bytes / GIB:8.2f} GiB  on GPU {pl.gpus[0]}: {x.how}")
         out += [f"  note: {n}" for n in pl.notes]
     for g, u in enumerate(p.used):
-        out.append(f"GPU {g}: {u / GIB:.2f} of {p.gpu_bytes / GIB:.2f} GiB")
+        out.append(f"GPU {g}: {u / GIB:.2f} of {p.gpu_bytes / GIB:.2f} GiB ({u / GB:.2f} of {p.gpu_bytes / GB:.2f} GB)")
     out.append("fits" if p.fits else "DOES NOT FIT:\n" + "\n".join(f"  {x}" for x in p.problems))
     return "\n".join(out)
+
+
+def parse_gpu_memory(text: str) -> int:
+    """Bytes of a GPU size written with its unit: ``80GB`` / ``80 GB`` (decimal, as GPUs are sold: 80e9 bytes) or
+    ``74.5GiB`` (binary, 2**30 bytes each); the unit is case-insensitive and required. Raises ValueError otherwise
+    (a bare number, another unit, a size that is not positive)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(gib|gb)\s*", text, re.IGNORECASE)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"GPU memory {text!r}: write a positive size with its unit, e.g. 80GB or 74.5GiB")
+    return int(float(m.group(1)) * (GIB if m.group(2).lower() == "gib" else GB))
+
+
+def both_units(n_bytes: int) -> str:
+    """``n_bytes`` as ``74.5 GiB (80.0 GB)``: binary and decimal gigabytes, one decimal each."""
+    return f"{n_bytes / GIB:.1f} GiB ({n_bytes / GB:.1f} GB)"
+
+
+def gpu_bytes_of(profile: Profile) -> tuple[int | None, str]:
+    """The memory of each GPU ``profile`` runs on, in bytes, and where it came from: the profile's
+    ``ray.gpu_memory_gib``, else the smallest visible CUDA device; ``(None, reason)`` when neither is known."""
+    if profile.ray.gpu_memory_gib:
+        return int(profile.ray.gpu_memory_gib * GIB), "the profile's ray.gpu_memory_gib"
+    local = local_gpu_bytes()
+    if local is not None:
+        return local, "the visible CUDA devices"
+    return None, "no ray.gpu_memory_gib in the profile and no CUDA device here"
 
 
 def uses_gpus(profile: Profile) -> bool:
@@ -262,7 +293,7 @@ def check(profile: Profile, gpu_bytes: int | None = None) -> MemoryPlan | None:
     if not uses_gpus(profile):
         return None
     if gpu_bytes is None:
-        gpu_bytes = int(profile.ray.gpu_memory_gib * GIB) if profile.ray.gpu_memory_gib else local_gpu_bytes()
+        gpu_bytes, _ = gpu_bytes_of(profile)
     if gpu_bytes is None:
         return None
     p = plan(profile, gpu_bytes)

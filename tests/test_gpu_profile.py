@@ -215,17 +215,48 @@ def test_profile_show_prints_the_plan(tmp_path):
     r = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "80"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
-    assert lines[0] == "profile gpu: 4 GPUs x 80.0 GiB" and lines[-1] == "fits"
+    assert lines[0] == "profile gpu: 4 GPUs x 80.0 GiB (85.9 GB)" and lines[-1] == "fits"
     assert "vlm[0] on GPU 0,1" in lines and "tts[0] on GPU 2" in lines and "video job worker 0 on GPU 3" in lines
     tts = lines.index("tts[0] on GPU 2")  # the speech LM in vLLM's share; SNAC in the replica beside it
     assert lines[tts + 1].split()[:4] == ["vLLM", "share", "68.00", "GiB"]
     assert re.match(r"\s+snac weights\s+0\.07 GiB  on GPU 2", lines[tts + 2])
     assert "  note: inside vLLM's share: lm weights 6.15 GiB, kv cache 14.90 GiB" in lines[tts + 4]
-    assert "GPU 1: 68.00 of 80.00 GiB" in lines
+    assert "GPU 1: 68.00 of 80.00 GiB (73.01 of 85.90 GB)" in lines
     tiny = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "16"])
     assert tiny.exit_code == 1 and "DOES NOT FIT" in tiny.output
     cpu = CliRunner().invoke(cli, ["profile", "show", "--profile", "cpu"])
     assert cpu.exit_code == 0 and "nothing to plan" in cpu.output
+
+
+def test_profile_show_without_a_gpu_size_plans_80_gb_gpus_and_says_so(monkeypatch):
+    """Issue 24: on a machine without CUDA, ``profile show --profile gpu`` exited 2 unless ``--gpu-memory-gib``
+    was given (the README shows it optional). Now it plans for 80 GB GPUs and says so; ``--gpu-memory`` takes a
+    size with its unit (80GB decimal, 74.5GiB binary), and 80GB gives the README table's 80 GB row."""
+    from typer.testing import CliRunner
+
+    from services.cli import app as cli
+
+    monkeypatch.setattr("services.memory_plan.local_gpu_bytes", lambda: None)  # as on a CPU-only machine
+    r = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("GPU size: no ray.gpu_memory_gib in the profile and no CUDA device here; "
+                               "planning for 74.5 GiB (80.0 GB) GPUs"), lines[0]
+    assert lines[1] == "profile gpu: 4 GPUs x 74.5 GiB (80.0 GB)" and lines[-1] == "fits"
+    gb = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory", "80GB"])
+    assert gb.exit_code == 0 and gb.output.splitlines() == lines[1:]
+    # the README table's "80 GB (74.5 GiB)" row: GPU 0 66.81 GiB, GPU 1 63.33, GPU 2 64.40, GPU 3 28.80
+    assert [x.split(" of ")[0] for x in lines if x.startswith("GPU ") and " of " in x] == [
+        "GPU 0: 66.81", "GPU 1: 63.33", "GPU 2: 64.40", "GPU 3: 28.80"]
+    gib = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory", "80 gib"])
+    same = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory-gib", "80"])
+    assert gib.exit_code == 0 and gib.output == same.output and "x 80.0 GiB (85.9 GB)" in gib.output
+    for bad in ("80", "80TB", "-1GB", "0GiB"):
+        r = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory", bad])
+        assert r.exit_code == 2 and "with its unit, e.g. 80GB or 74.5GiB" in r.output, (bad, r.output)
+    both = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu", "--gpu-memory", "80GB",
+                                    "--gpu-memory-gib", "80"])
+    assert both.exit_code == 2 and "once" in both.output
 
 
 def test_a_fetched_checkpoint_config_is_used_before_the_published_one(tmp_path, monkeypatch):
