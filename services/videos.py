@@ -259,15 +259,20 @@ class _FileTooLarge(Exception):
 class _Utf8MultiPartParser(MultiPartParser):
     """Starlette's multipart parser, except that a text field whose bytes are not UTF-8 raises :class:`_NotUtf8`
     (Starlette decodes such a field as latin-1 and passes the mojibake on), and that a file part is counted as it
-    streams in: past ``max_file_size`` bytes it raises :class:`_FileTooLarge` at once (nothing more is spooled)."""
+    streams in: past ``max_file_size`` bytes (a file of exactly ``max_file_size`` bytes passes) it raises
+    :class:`_FileTooLarge` at once (nothing more is spooled)."""
 
     max_file_size = 0  # set per request by _read_body
+
+    def on_part_begin(self) -> None:
+        super().on_part_begin()
+        self._file_bytes = 0  # our own count: UploadFile.size grows only as Starlette writes the spooled chunks
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         part = self._current_part
         if part.file is not None:
-            part.file.size = (part.file.size or 0) + (end - start)
-            if part.file.size > self.max_file_size:
+            self._file_bytes += end - start
+            if self._file_bytes > self.max_file_size:
                 raise _FileTooLarge(part.field_name, self.max_file_size)
         super().on_part_data(data, start, end)
 

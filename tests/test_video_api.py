@@ -7,11 +7,15 @@ frames (``"4"``: one clip cut to 8 frames), and the object's ``seconds`` is the 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 import re
+import struct
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import httpx
@@ -448,3 +452,133 @@ def test_list_newest_first_and_metrics(serve_url, openai_client, t2v):
         assert [v.created_at for v in asc] == sorted(v.created_at for v in asc)
     text = httpx.get(f"{serve_url}/metrics").text
     assert "chimera_video_queue_length" in text and "chimera_video_jobs_created_total" in text
+
+
+# --- The ingress and the video deployment in-process (no Ray; httpx.ASGITransport): what reaches the job manager.
+# The manager is a recording stand-in (its door, not a model): it keeps each create's planned request and answers
+# a queued Video object; no job runs.
+
+class _Remote:
+    """One method of the stand-in manager, called the way a Ray actor handle's is: ``.remote(...)`` -> awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def call():
+            return self.fn(*args, **kwargs)
+        return call()
+
+
+class _RecordingManager:
+    """Stands in for the job-manager actor: ``created`` lists each ``create``'s (request dict, keyword arguments);
+    ``extension_source`` answers ``source`` (a stored source video's record) under the asked id."""
+
+    def __init__(self):
+        self.created, self.source = [], None
+        self.create = _Remote(self._create)
+        self.extension_source = _Remote(lambda video_id, owner=None: dict(self.source, id=video_id))
+        self.queue_length = _Remote(lambda: 0)
+
+    def _create(self, request, **kw):
+        self.created.append((request, kw))
+        return {"id": f"video_{len(self.created)}", "object": "video", "status": "queued", "progress": 0,
+                "created_at": 0, "model": "chimera-video"}
+
+
+def _video_ingress(profile, **limits_and_engine):
+    """(ASGI app of the ingress with only the video family, its recording manager, the VideoConfig)."""
+    from services.app import build_app
+    from services.backends import LocalBackend
+    from services.profiles import parse_profile
+    from services.videos import Deployment
+
+    data = profile.model_dump(mode="json")
+    data["vlm"] = data["tts"] = None
+    engine = data["video"]["engine"]
+    engine["limits"].update(limits_and_engine.pop("limits", {}))
+    engine.update(limits_and_engine)
+    prof = parse_profile(data)
+    dep = object.__new__(Deployment)  # its __init__ would get the Ray actor
+    dep.section, dep.cfg, dep.model_dir, dep.manager = prof.video, prof.video.engine, "unused", _RecordingManager()
+    return build_app(prof, {"video": LocalBackend(dep)}), dep.manager, prof.video.engine
+
+
+def _source(cfg, **fields) -> dict:
+    """A completed source video's record as ``extension_source`` gives it (its request planned as a create's)."""
+    from video.request import plan_request
+
+    req = plan_request(cfg, {"prompt": "a kite", **fields}).to_dict()
+    return {"id": "video_src", "video": "unused.mp4", "last_frame": "unused.npy", "reference": {},
+            "width": req["width"], "height": req["height"], "fps": req["fps"], "frames": req["target_frames"],
+            "seconds": "4", "params": req}
+
+
+def _asgi(app, fn):
+    """Run ``await fn(http)`` with an httpx client on ``app`` (in-process)."""
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as http:
+            return await fn(http)
+    return asyncio.run(go())
+
+
+def _png_of(n: int) -> bytes:
+    """A readable 4x4 PNG of exactly ``n`` bytes: a private ancillary chunk pads it (readers skip it)."""
+    from PIL import Image
+
+    small = _png(Image.new("RGB", (4, 4), (200, 30, 30)))
+    body = b"chPd" + b"\0" * (n - len(small) - 12)  # 12: the chunk's length and CRC fields and its type
+    chunk = struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+    out = small[:33] + chunk + small[33:]  # after the signature (8 bytes) and IHDR (25)
+    assert len(out) == n
+    return out
+
+
+def _mp4_of(n: int, tmp_path) -> bytes:
+    """A decodable 64x64, 9-frame, 2 fps MP4 of exactly ``n`` bytes: a trailing ``free`` box pads it."""
+    from video.media import encode_mp4
+
+    encode_mp4(np.random.default_rng(0).integers(0, 255, (9, 64, 64, 3), dtype=np.uint8), 2, tmp_path / "c.mp4")
+    mp4 = (tmp_path / "c.mp4").read_bytes()
+    pad = n - len(mp4)
+    out = mp4 + struct.pack(">I", pad) + b"free" + b"\0" * (pad - 8)
+    assert len(out) == n
+    return out
+
+
+def test_upload_caps_are_exact_through_the_sdk(profile, tmp_path):
+    """An upload of N bytes is refused (413 ``too_large``) only when N is over its cap: the ``input_reference``
+    image at exactly ``max_image_bytes`` (the cpu profile's 8 MiB) is queued and cap + 1 is refused; the same for
+    an extension's uploaded video at ``max_video_bytes`` (configured to 1 MiB here). Each file streamed in used
+    to be counted twice (the real cap was half the configured one: a 5 MB image was a 413)."""
+    video_cap = 2**20
+    app, manager, cfg = _video_ingress(profile, limits={"max_video_bytes": video_cap})
+    image_cap = cfg.limits.max_image_bytes
+    assert image_cap == 8 * 2**20
+    png, mp4 = _png_of(image_cap), _mp4_of(video_cap, tmp_path)
+
+    async def go(http):
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=http)
+        v = await client.videos.create(prompt="a red square", size="64x64",
+                                       input_reference=("ref.png", png, "image/png"))
+        e = await client.videos.extend(video=("clip.mp4", mp4, "video/mp4"), prompt="more", seconds="4")
+        refused = []
+        for call in (lambda: client.videos.create(prompt="a red square", size="64x64",
+                                                  input_reference=("ref.png", png + b"\0", "image/png")),
+                     lambda: client.videos.extend(video=("clip.mp4", mp4 + b"\0", "video/mp4"), prompt="more",
+                                                  seconds="4")):
+            with pytest.raises(openai.APIStatusError) as err:
+                await call()
+            refused.append((err.value.status_code, err.value.body["code"], err.value.body["param"]))
+        return v, e, refused
+
+    v, e, refused = _asgi(app, go)
+    assert v.status == e.status == "queued"
+    assert refused == [(413, "too_large", "input_reference"), (413, "too_large", "video")]
+    (_, made), (_, extended) = manager.created
+    from PIL import Image
+
+    assert Image.open(io.BytesIO(made["image_png"])).size == (4, 4)
+    assert len(extended["upload"]["video"]) == video_cap
+    assert len(manager.created) == 2  # the refused uploads queued nothing
