@@ -24,6 +24,7 @@ from .backends import Backend
 from .edge import EdgeMiddleware
 from .errors import error_body, install_error_handlers
 from .profiles import Profile
+from .readiness import ReadyStates
 
 log = logging.getLogger("chimera")
 
@@ -93,27 +94,57 @@ class AuthMiddleware:
 class MetricsMiddleware:
     """Counts requests and records latency per route template (``/v1/videos/{video_id}``), status included.
 
-    The label is the matched route's template, read from ``scope["route"]`` after routing; requests matching
-    no route are labelled ``unmatched`` so arbitrary paths cannot create new series."""
+    The label is the matched route's template, read from ``scope["route"]`` after routing (FastAPI's routes);
+    a request the router answered through a plain Starlette route or a mount (``/docs``, ``/openapi.json``,
+    ``/playground/{path}``) gets that route's path (``router``: the app's router, matched against the request's
+    scope as it came in); requests matching no route are labelled ``unmatched`` so arbitrary paths cannot create
+    new series.
 
-    def __init__(self, app):
+    The status is the one sent (``http.response.start``). A request that ends before any response was sent is
+    counted as :data:`services.metrics.CLIENT_CLOSED` (``499``, nginx's "client closed request") when the client
+    went away (its task was cancelled, as Serve does on a disconnect, or the app saw ``http.disconnect`` and
+    returned), else ``500`` (Starlette's ``ServerErrorMiddleware`` outside this one, or the server, answers 500)."""
+
+    def __init__(self, app, router=None):
         self.app = app
+        self.router = router
+
+    def _label(self, scope, original) -> str:
+        route = scope.get("route")
+        if getattr(route, "path", None):
+            return route.path
+        from starlette.routing import Match, Mount
+
+        for r in getattr(self.router, "routes", ()):
+            if r.matches(original)[0] != Match.NONE:
+                return f"{r.path}/{{path}}" if isinstance(r, Mount) else r.path
+        return "unmatched"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.perf_counter(), {"code": 500}
+        t0, status, original = time.perf_counter(), {"code": None, "gone": False}, dict(scope)
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
 
+        async def receive_wrapper():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                status["gone"] = True
+            return message
+
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except asyncio.CancelledError:
+            status["gone"] = True
+            raise
         finally:
-            ep = getattr(scope.get("route"), "path", None) or "unmatched"
-            metrics.REQUESTS.labels(ep, scope["method"], str(status["code"])).inc()
+            ep = self._label(scope, original)
+            sent = status["code"] or (metrics.CLIENT_CLOSED if status["gone"] else 500)
+            metrics.REQUESTS.labels(ep, scope["method"], str(sent)).inc()
             metrics.REQUEST_LATENCY.labels(ep, scope["method"]).observe(time.perf_counter() - t0)
 
 
@@ -133,15 +164,13 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
         """Liveness: the ingress answers."""
         return {"status": "ok"}
 
+    ready_states = ReadyStates({f: (lambda f=f: backends[f].call("ready")) for f in families})
+
     @app.get("/readyz", tags=["ops"])
     async def readyz():
-        """200 once every model of the profile is loaded, else 503 listing those that are not."""
-        async def one(fam):
-            try:
-                return bool(await asyncio.wait_for(backends[fam].call("ready"), timeout=5.0))
-            except Exception:  # noqa: BLE001 - any failure means not ready
-                return False
-        states = dict(zip(families, await asyncio.gather(*(one(f) for f in families))))
+        """200 once every model of the profile is loaded, else 503 listing those that are not; answered within
+        about a second even while the deployments start (``services.readiness.ReadyStates``)."""
+        states = await ready_states.current()
         not_ready = [families[f].model_id for f, ok in states.items() if not ok]
         body = {"status": "ready" if not not_ready else "loading",
                 "models": {families[f].model_id: ("ready" if ok else "loading") for f, ok in states.items()}}
@@ -179,7 +208,7 @@ def build_app(profile: Profile, backends: dict[str, Backend]) -> FastAPI:
         app.include_router(family_module(fam).make_router(section, backends[fam], profile))
 
     mount_playground(app)
-    app.add_middleware(MetricsMiddleware)
+    app.add_middleware(MetricsMiddleware, router=app.router)
     app.add_middleware(AuthMiddleware, keys=profile.server.all_api_keys(),
                        protect_metrics=profile.server.metrics_requires_key)
     app.add_middleware(EdgeMiddleware, limits=profile.server.limits.body_limits())

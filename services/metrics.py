@@ -36,7 +36,11 @@ async def run_before_scrape(timeout_s: float = 2.0) -> None:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-REQUESTS = Counter("chimera_requests_total", "HTTP requests by endpoint, method and status code",
+#: The ``status`` label of a request whose client went away before any response was sent (nginx's "client closed
+#: request"): nothing was sent, so it is not counted as a 500. A response that had started keeps its status.
+CLIENT_CLOSED = 499
+REQUESTS = Counter("chimera_requests_total", "HTTP requests by endpoint (route template), method and the status "
+                   f"code sent ({CLIENT_CLOSED}: the client went away before any response)",
                    ["endpoint", "method", "status"], registry=REGISTRY)
 REQUEST_LATENCY = Histogram("chimera_request_latency_seconds", "HTTP request latency until the response ends (s)",
                             ["endpoint", "method"], buckets=LATENCY_BUCKETS, registry=REGISTRY)

@@ -96,6 +96,108 @@ def test_readyz_503_while_a_model_loads(profile):
     asyncio.run(go())
 
 
+def test_readyz_answers_at_once_while_a_deployment_is_slow_and_probes_it_once(profile):
+    """Issue 24: /readyz awaited every deployment's ready() (up to 5 s each) per request, so early calls hung past
+    the clients' timeouts. Now a slow deployment is probed once in the background: each /readyz answers 503
+    "loading" without waiting for it (ceiling: the 5 s probe timeout, which the old code waited out), reuses
+    the probe in flight instead of starting another, and is 200 once that probe returns True."""
+    from services.readiness import PROBE_TIMEOUT_S, READY_WAIT_S
+
+    class Slow:  # a replica still loading: its ready() answers only when the test lets it
+        def __init__(self):
+            self.calls, self.release = 0, asyncio.Event()
+
+        async def ready(self):
+            self.calls += 1
+            await self.release.wait()
+            return True
+
+    dep = Slow()
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(dep)})
+
+    async def go():
+        async with _client(app) as c:
+            for _ in range(3):
+                r = await asyncio.wait_for(c.get("/readyz"), PROBE_TIMEOUT_S - READY_WAIT_S)
+                assert r.status_code == 503 and r.json()["models"] == {"chimera-vlm": "loading"}
+            assert dep.calls == 1  # one probe in flight, not one per request
+            dep.release.set()
+            r = await c.get("/readyz")
+            assert r.status_code == 200 and r.json()["status"] == "ready"
+            assert dep.calls == 1
+
+    asyncio.run(go())
+
+
+def _requests_count(endpoint: str, status: str, method: str = "GET") -> float:
+    from services import metrics
+
+    return metrics.REQUESTS.labels(endpoint, method, status)._value.get()
+
+
+def test_metrics_count_an_abandoned_request_as_client_closed_not_500():
+    """A request whose client goes away before any response (Serve cancels its task) was counted as a 500 though
+    no 500 was sent; it is counted as 499 (``metrics.CLIENT_CLOSED``). A raise before any response is a 500 (what
+    Starlette then sends), and a started response keeps its status."""
+    from services.app import MetricsMiddleware
+
+    entered = asyncio.Event()
+
+    async def hangs(scope, receive, send):
+        entered.set()
+        await asyncio.Event().wait()
+
+    async def raises(scope, receive, send):
+        raise RuntimeError("bug")
+
+    async def streams_then_cancelled(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError
+
+    async def send(message):
+        pass
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    def scope(path):
+        return {"type": "http", "method": "GET", "path": path, "headers": []}
+
+    async def go():
+        task = asyncio.create_task(MetricsMiddleware(hangs)(scope("/hang"), receive, send))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(RuntimeError):
+            await MetricsMiddleware(raises)(scope("/raise"), receive, send)
+        with pytest.raises(asyncio.CancelledError):
+            await MetricsMiddleware(streams_then_cancelled)(scope("/stream"), receive, send)
+
+    before = {s: _requests_count("unmatched", s) for s in ("200", "499", "500")}
+    asyncio.run(go())
+    after = {s: _requests_count("unmatched", s) for s in ("200", "499", "500")}
+    assert {s: after[s] - before[s] for s in after} == {"200": 1, "499": 1, "500": 1}
+
+
+def test_metrics_label_playground_and_docs_by_their_routes(profile):
+    """``/``, ``/playground/*``, ``/docs`` and ``/openapi.json`` were labelled ``unmatched``: each gets its route's
+    path (the mount as ``/playground/{path}``), a path under no route stays ``unmatched``."""
+    app = build_app(_vlm_only(profile), {"vlm": LocalBackend(EchoDeployment())})
+    labels = {"/": "/", "/playground/app.js": "/playground/{path}", "/docs": "/docs",
+              "/openapi.json": "/openapi.json", "/no/such/page": "unmatched"}
+    before = {p: _requests_count(ep, "404" if ep == "unmatched" else "200") for p, ep in labels.items()}
+
+    async def go():
+        async with _client(app) as c:
+            for path, ep in labels.items():
+                assert (await c.get(path)).status_code == (404 if ep == "unmatched" else 200), path
+
+    asyncio.run(go())
+    grown = {p: _requests_count(ep, "404" if ep == "unmatched" else "200") - before[p] for p, ep in labels.items()}
+    assert grown == {p: 1 for p in labels}
+
+
 def test_edge_strips_override_headers_and_shapes_ray_errors():
     seen = {}
 
