@@ -551,7 +551,9 @@ def test_upload_caps_are_exact_through_the_sdk(profile, tmp_path):
     """An upload of N bytes is refused (413 ``too_large``) only when N is over its cap: the ``input_reference``
     image at exactly ``max_image_bytes`` (the cpu profile's 8 MiB) is queued and cap + 1 is refused; the same for
     an extension's uploaded video at ``max_video_bytes`` (configured to 1 MiB here). Each file streamed in used
-    to be counted twice (the real cap was half the configured one: a 5 MB image was a 413)."""
+    to be counted twice (the real cap was half the configured one: a 5 MB image was a 413). The files are sent
+    as file objects, as an opened file is: httpx streams them in 64 KiB chunks, as a client's body arrives (the
+    double count only showed from a file's second chunk on)."""
     video_cap = 2**20
     app, manager, cfg = _video_ingress(profile, limits={"max_video_bytes": video_cap})
     image_cap = cfg.limits.max_image_bytes
@@ -561,13 +563,13 @@ def test_upload_caps_are_exact_through_the_sdk(profile, tmp_path):
     async def go(http):
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=http)
         v = await client.videos.create(prompt="a red square", size="64x64",
-                                       input_reference=("ref.png", png, "image/png"))
-        e = await client.videos.extend(video=("clip.mp4", mp4, "video/mp4"), prompt="more", seconds="4")
+                                       input_reference=("ref.png", io.BytesIO(png), "image/png"))
+        e = await client.videos.extend(video=("clip.mp4", io.BytesIO(mp4), "video/mp4"), prompt="more", seconds="4")
         refused = []
         for call in (lambda: client.videos.create(prompt="a red square", size="64x64",
-                                                  input_reference=("ref.png", png + b"\0", "image/png")),
-                     lambda: client.videos.extend(video=("clip.mp4", mp4 + b"\0", "video/mp4"), prompt="more",
-                                                  seconds="4")):
+                                                  input_reference=("ref.png", io.BytesIO(png + b"\0"), "image/png")),
+                     lambda: client.videos.extend(video=("clip.mp4", io.BytesIO(mp4 + b"\0"), "video/mp4"),
+                                                  prompt="more", seconds="4")):
             with pytest.raises(openai.APIStatusError) as err:
                 await call()
             refused.append((err.value.status_code, err.value.body["code"], err.value.body["param"]))
