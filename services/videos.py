@@ -154,7 +154,14 @@ class Deployment:
         appended. ``fields``: ``prompt``, ``seconds`` (the added length) and optional generation fields
         (:data:`_EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
         ``seconds`` is the whole joined video's duration (source frames + added frames) / fps. ``owner``: the
-        API key's id; a source video of another owner is 404."""
+        API key's id; a source video of another owner is 404.
+
+        Generation fields an extension of a stored video leaves out (:func:`video.request.plan_request`,
+        ``inherit``): ``quality`` is the source's (extending a ``fast`` video stays ``fast``), and so are its
+        ``negative_prompt`` and, under the source's quality, its ``num_inference_steps`` and ``guidance_scale``;
+        an extension that asks for another ``quality`` gets that quality's defaults (``fast``: the fast
+        profile's steps and guidance; ``full``: the profile's). Fields given always win. An uploaded video has
+        no stored request: ``quality`` and the rest default as for a new video."""
         from video.drift import color_stats
         from video.media import MediaError, decode_video, probe_video
         from video.request import RequestError, plan_request, seconds_label
@@ -167,10 +174,9 @@ class Deployment:
                                    "unsupported_parameter")
         if video_id is not None:
             src = await self._call("extension_source", video_id, owner=owner)
-            base = {k: src["params"][k] for k in ("num_inference_steps", "guidance_scale", "negative_prompt")}
-            base.update(width=src["width"], height=src["height"], fps=src["fps"],
-                        num_frames=src["params"]["frames_per_clip"])
-            req = plan_request(self.cfg, {**base, **fields}, continuation=True)
+            base = {"width": src["width"], "height": src["height"], "fps": src["fps"],
+                    "num_frames": src["params"]["frames_per_clip"]}
+            req = plan_request(self.cfg, {**base, **fields}, continuation=True, inherit=src["params"])
             total = int(src["frames"]) + req.total_frames
             return await self._call("create", req.to_dict(), extend_from=src, idempotency_key=idempotency_key,
                                     seconds_label=seconds_label(total, req.fps), owner=owner)

@@ -584,3 +584,35 @@ def test_upload_caps_are_exact_through_the_sdk(profile, tmp_path):
     assert Image.open(io.BytesIO(made["image_png"])).size == (4, 4)
     assert len(extended["upload"]["video"]) == video_cap
     assert len(manager.created) == 2  # the refused uploads queued nothing
+
+
+@pytest.mark.parametrize("source,ext,want", [
+    ({"quality": "fast"}, {}, ("fast", 2, 1.0)),                         # inherited quality, its defaults
+    ({"quality": "fast"}, {"quality": None}, ("fast", 2, 1.0)),          # null is left out
+    ({}, {"quality": "fast"}, ("fast", 2, 1.0)),                         # another quality: its own defaults
+    ({"quality": "fast"}, {"quality": "full"}, ("full", 4, 5.0)),
+    ({"num_inference_steps": 3, "guidance_scale": 2.0}, {}, ("full", 3, 2.0)),  # same quality: the source's
+    ({"quality": "fast", "num_inference_steps": 3}, {"quality": "full"}, ("full", 4, 5.0)),
+    ({"quality": "fast"}, {"num_inference_steps": 6}, ("fast", 6, 1.0)),  # given fields win
+    ({}, {"quality": "fast", "guidance_scale": 3.0}, ("fast", 2, 3.0)),
+    ({"quality": "old-record"}, {}, ("full", 4, 5.0)),                   # a record from before quality: full
+])
+def test_extension_uses_the_defaults_of_its_own_quality(profile, source, ext, want):
+    """An extension of a stored video keeps the source's ``quality`` unless it gives one, and runs with that
+    quality's step count and guidance: the source's own under the source's quality, the other quality's defaults
+    otherwise (cpu profile with a fast profile: full 4 steps / guidance 5.0, fast 2 / 1.0); given fields win.
+    The source's steps and guidance used to be copied whatever the quality (a fast video's extension ran the
+    full transformer at the LoRA's step count without guidance, and the reverse)."""
+    app, manager, cfg = _video_ingress(profile, fast={"lora": "unused-lora", "num_inference_steps": 2,
+                                                      "guidance_scale": 1.0})
+    assert (cfg.defaults.num_inference_steps, cfg.defaults.guidance_scale) == (4, 5.0)
+    old = source.get("quality") == "old-record"
+    manager.source = _source(cfg, negative_prompt="blur", **{k: v for k, v in source.items() if not old})
+    if old:
+        del manager.source["params"]["quality"]
+    r = _asgi(app, lambda http: http.post("/v1/videos/extensions", json={"prompt": "more", "seconds": "4",
+                                                                           "video": {"id": "video_src"}, **ext}))
+    assert r.status_code == 200, r.text
+    req = manager.created[-1][0]
+    assert (req["quality"], req["num_inference_steps"], req["guidance_scale"]) == want
+    assert req["negative_prompt"] == "blur"  # inherited whatever the quality

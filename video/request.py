@@ -190,10 +190,16 @@ def _first_error(err: ValidationError) -> RequestError:
     return RequestError(f"{param}: {e['msg']}", param, code)
 
 
-def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, continuation: bool = False
-                 ) -> VideoRequest:
+def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, continuation: bool = False,
+                 inherit: dict | None = None) -> VideoRequest:
     """Validate raw request ``fields`` against the profile (``cfg.defaults``, ``cfg.limits``) and plan the
     clips (module doc). ``continuation``: the request extends an existing video (``seconds`` is the added length).
+    ``inherit``: the request (a :meth:`VideoRequest.to_dict`) of the video an extension continues; what the
+    extension leaves out (or sends as null) it takes from there: ``quality`` (records older than ``quality``:
+    ``"full"``) and ``negative_prompt``; and, when its quality is the source's, the source's
+    ``num_inference_steps`` and ``guidance_scale`` (so it looks like the source); with another ``quality`` the
+    defaults of that quality (``cfg.fast``'s for ``"fast"``, ``cfg.defaults``' for ``"full"``). Fields given
+    always win.
 
     Raises RequestError (a ValueError; HTTP 400) naming the field: a field not implemented here
     (``unsupported_parameter``), text with a lone surrogate (``invalid_unicode``), unknown ``size`` strings,
@@ -275,7 +281,8 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
     if clips > lim.max_clips:
         raise RequestError(f"{p.seconds:g} s at {fps} fps needs {clips} clips of {frames} frames; the limit is "
                            f"{lim.max_clips} clips", "seconds", "invalid_duration")
-    quality = p.quality or "full"
+    inherited = None if inherit is None else inherit.get("quality") or "full"
+    quality = p.quality or inherited or "full"
     if quality not in QUALITIES:
         raise RequestError(f"quality {quality!r} is not one of {', '.join(QUALITIES)}", "quality")
     if quality == "fast" and cfg.fast is None:
@@ -289,6 +296,9 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
     if quality == "fast":
         d = d.model_copy(update={"num_inference_steps": cfg.fast.num_inference_steps,
                                  "guidance_scale": cfg.fast.guidance_scale})
+    if inherit is not None:
+        kept = ("negative_prompt",) + (("num_inference_steps", "guidance_scale") if quality == inherited else ())
+        d = d.model_copy(update={k: inherit[k] for k in kept})
     steps = d.num_inference_steps if p.num_inference_steps is None else p.num_inference_steps
     if not 1 <= steps <= lim.max_steps:
         raise RequestError(f"num_inference_steps must be between 1 and {lim.max_steps}", "num_inference_steps")
