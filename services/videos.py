@@ -7,7 +7,10 @@ the profile (:func:`video.request.plan_request`) before anything is queued, then
 
 Request fields: every field is either implemented or refused with 400 ``unsupported_parameter`` naming it
 (:func:`video.request.plan_request`; extensions accept ``prompt``, ``seconds``, ``video``, ``model`` and the
-generation fields of :data:`_EXTEND_FIELDS`, and keep the source's size, fps and clip length). Text that is not
+generation fields of :data:`_EXTEND_FIELDS`, and keep the source's size, fps and clip length). A value of another
+type than the field's (a list, number, object or boolean where the contract has none, null for a required field,
+in a form text that is not of the field's type) is 400 ``invalid_value`` naming the field; a text field sent as a
+file is 400 ``unexpected_file``. Text that is not
 valid Unicode (a lone UTF-16 surrogate escaped in JSON, bytes that are not UTF-8 in a multipart or urlencoded
 field) is 400 ``invalid_unicode``.
 
@@ -352,6 +355,61 @@ async def _read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
                    code="unsupported_media_type")
 
 
+def _json_type(value: Any) -> str:
+    """How a parsed JSON value is named in error messages: ``null``, ``a boolean``, ``a number``, ``a string``,
+    ``a list``, or an object with the keys it has."""
+    if isinstance(value, dict):
+        return f"an object with keys {sorted(map(str, value))}"
+    for kind, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+                       (list, "a list")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _required(fields: dict, *names: str) -> None:
+    """Raise APIError 400 naming the first of ``names`` absent from ``fields`` (``missing_required_parameter``) or
+    null there (``invalid_value``)."""
+    for name in names:
+        if name not in fields:
+            raise APIError(400, f"{name} is required", param=name, code="missing_required_parameter")
+        if fields[name] is None:
+            raise APIError(400, f"{name} must not be null", param=name, code="invalid_value")
+
+
+def _only_files(files: dict, allowed: str) -> None:
+    """Raise APIError 400 ``unexpected_file`` (``param``: its field) for a file part other than ``allowed``: a
+    text field (``prompt``, ``seed``, ...) sent as a file, or a field that takes no file."""
+    for name in files:
+        if name != allowed:
+            raise APIError(400, f"{name} was sent as a file; only {allowed} takes a file (the other fields are "
+                                "text)", param=name, code="unexpected_file")
+
+
+def _reference_image(ref: Any) -> bytes:
+    """The image bytes of a JSON or form-field ``input_reference``: ``{"image_url": <base64 data URL>}`` (as a
+    JSON value, or that object's JSON text in a form field) or the data URL itself. Raises APIError 400
+    (``param`` ``input_reference``): ``invalid_value`` for anything else (a list, number, boolean, or an
+    object whose ``image_url`` is missing or not a string, or with another key such as ``file_id``: this
+    service has no Files API), ``invalid_image_url`` for a URL that is not a valid base64 data URL."""
+    if isinstance(ref, str):
+        try:
+            ref = json.loads(ref)
+        except json.JSONDecodeError:
+            ref = {"image_url": ref}
+    if not isinstance(ref, dict):
+        why = _json_type(ref)
+    elif set(ref) - {"image_url"}:
+        why = f"{_json_type(ref)} (only image_url is supported: there is no Files API here)"
+    elif not isinstance(ref.get("image_url"), str) or not ref["image_url"]:
+        url = ref.get("image_url")
+        why = f"an object whose image_url is {'empty' if url == '' else _json_type(url)}"
+    else:
+        return _data_url_bytes(ref["image_url"], "input_reference")
+    raise APIError(400, f"input_reference must be an image file or {{\"image_url\": <data URL string>}}, not {why}",
+                   param="input_reference", code="invalid_value")
+
+
 def _data_url_bytes(url: str, param: str) -> bytes:
     import base64
     import binascii
@@ -449,24 +507,16 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     async def create_video(request: Request):
         """Create a generation job (text-to-video, or image-to-video with ``input_reference``)."""
         fields, files = await _read_body(request, limits.max_image_bytes)
-        if "prompt" not in fields:
-            raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+        _only_files(files, "input_reference")
+        _required(fields, "prompt")
         check_model(profile, "video", fields.get("model"))
         image = files.pop("input_reference", None)
         ref = fields.pop("input_reference", None)
-        if image is None and ref is not None:
-            if isinstance(ref, str):
-                try:
-                    ref = json.loads(ref)
-                except json.JSONDecodeError:
-                    ref = {"image_url": ref}
-            if not isinstance(ref, dict) or not ref.get("image_url"):
-                raise APIError(400, "input_reference must be an image file or {\"image_url\": <data URL>}",
-                               param="input_reference", code="invalid_value")
-            image = _data_url_bytes(ref["image_url"], "input_reference")
-        if files:
-            raise APIError(400, f"unexpected file field(s): {', '.join(files)}", param=next(iter(files)),
-                           code="unexpected_file")
+        if image is not None and ref is not None:
+            raise APIError(400, "input_reference is given twice (a file and a text field)", param="input_reference",
+                           code="invalid_value")
+        if ref is not None:
+            image = _reference_image(ref)
         obj = await backend.call("create", fields, image, key_of(request), owner=owner_of(request))
         metrics.VIDEO_JOBS.inc()
         await refresh_queue_quietly()
@@ -476,9 +526,8 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
     async def extend_video(request: Request):
         """Continue a completed video (``video: {"id": ...}``) or an uploaded video file from its last frame."""
         fields, files = await _read_body(request, limits.max_video_bytes)
-        for name in ("prompt", "seconds"):
-            if name not in fields:
-                raise APIError(400, f"{name} is required", param=name, code="missing_required_parameter")
+        _only_files(files, "video")
+        _required(fields, "prompt", "seconds")
         check_model(profile, "video", fields.pop("model", None))
         video_id = fields.pop("video[id]", None)
         v = fields.pop("video", None)
@@ -487,11 +536,11 @@ def make_router(section: FamilySection, raw_backend: Backend, profile: Profile) 
                 v = json.loads(v)
             except json.JSONDecodeError:
                 v = {"id": v}
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not set(v) - {"id"}:
             video_id = v.get("id") or video_id
         elif v is not None:
-            raise APIError(400, "video must be {\"id\": <video id>} or a video file", param="video",
-                           code="invalid_value")
+            raise APIError(400, f"video must be {{\"id\": <video id>}} or a video file, not {_json_type(v)}",
+                           param="video", code="invalid_value")
         if video_id is not None and not isinstance(video_id, str):  # e.g. {"id": {...}}: never reaches the store
             raise APIError(400, "video.id must be a string (the id of a completed video)", param="video",
                            code="invalid_value")

@@ -3,6 +3,10 @@
 Sizes are tiny (64x64, 9 frames per clip at 2 fps, 2 denoising steps) so the whole file runs in well under a
 minute once the service is up. Durations follow :mod:`video.request`: ``seconds`` s at 2 fps is ``2 * seconds``
 frames (``"4"``: one clip cut to 8 frames), and the object's ``seconds`` is the served MP4's frames / fps.
+
+The tests at the end run the ingress and the video deployment in-process instead (``httpx.ASGITransport``, no
+Ray), with a recording stand-in for the job manager: upload caps, what an extension inherits, and a 400 naming
+the field for every field of another type than the documented one.
 """
 
 from __future__ import annotations
@@ -616,3 +620,91 @@ def test_extension_uses_the_defaults_of_its_own_quality(profile, source, ext, wa
     req = manager.created[-1][0]
     assert (req["quality"], req["num_inference_steps"], req["guidance_scale"]) == want
     assert req["negative_prompt"] == "blur"  # inherited whatever the quality
+
+
+STRING = [["x"], 5, 2.5, {"a": 1}, True]
+NUMBER = [[1], {"a": 1}, True, False]
+INTEGER = NUMBER + [2.5]
+BOOLEAN = [[True], 1, 0, 2.5, {"a": 1}, None]
+DATA_URL = "data:image/png;base64,iVBORw0KGgo="
+REFERENCE = [[1], 5, True, False, {"image_url": [1]}, {"image_url": 5}, {"image_url": {"url": DATA_URL}},
+             {"image_url": True}, {"image_url": None}, {"image_url": ""}, {}, {"file_id": "file_1", "image_url": [1]},
+             {"file_id": "file_1", "image_url": DATA_URL}, {"file_id": 5}]
+VIDEO_REF = [[1], 5, True, {"id": 5}, {"id": ["video_src"]}, {"id": {"id": "video_src"}}, {"id": True},
+             {"id": "video_src", "file_id": "x"}]
+CREATE_TYPES = {"prompt": STRING + [None], "model": STRING, "seconds": [[4], {"s": 4}, True, False], "size": STRING,
+                "width": INTEGER, "height": INTEGER, "num_frames": INTEGER, "fps": INTEGER,
+                "num_inference_steps": INTEGER, "guidance_scale": NUMBER, "negative_prompt": STRING, "seed": INTEGER,
+                "sparsity": NUMBER, "drift_correction": BOOLEAN, "quality": STRING, "cache": STRING,
+                "input_reference": REFERENCE}
+EXTEND_TYPES = {"prompt": STRING + [None], "seconds": [[4], {"s": 4}, True, None], "video": VIDEO_REF + [None],
+                "model": STRING, "seed": INTEGER, "num_inference_steps": INTEGER, "guidance_scale": NUMBER,
+                "negative_prompt": STRING, "drift_correction": BOOLEAN, "sparsity": NUMBER, "quality": STRING,
+                "cache": STRING}
+CREATE_BASE = {"prompt": "a cat", "size": "64x64"}
+EXTEND_BASE = {"prompt": "more", "seconds": "4", "video": {"id": "video_src"}}
+# multipart: every value is text, so a wrong type is text that is not of the field's type, or a file
+FORM_TYPES = {"seconds": ["long", "[4]"], "width": ["wide", "2.5", "[64]"], "height": ["true"], "num_frames": ["{}"],
+              "fps": ["2.5"], "num_inference_steps": ["true"], "guidance_scale": ["loud", "[1]"], "seed": ["true"],
+              "sparsity": ["[1]", "false"], "drift_correction": ["maybe", "5"],
+              "input_reference": ["[1]", "5", "true", '{"image_url": [1]}', '{"file_id": "f", "image_url": [1]}']}
+FORM_EXTEND_TYPES = {"seconds": ["long"], "seed": ["2.5"], "drift_correction": ["maybe"], "quality": ["5"],
+                     "video": ["[1]", "5", '{"id": 5}', '{"id": "video_src", "x": 1}']}
+
+
+def _cases():
+    for path, types, base in (("/v1/videos", CREATE_TYPES, CREATE_BASE),
+                              ("/v1/videos/extensions", EXTEND_TYPES, EXTEND_BASE)):
+        for field, values in types.items():
+            for value in values:
+                missing = value is None and field == "video"  # {"id": ...} or a file: neither was sent
+                yield pytest.param(path, {"json": {**base, field: value}}, field,
+                                   "missing_required_parameter" if missing else "invalid_value",
+                                   id=f"json{path[10:] or '/create'}-{field}-{json.dumps(value)}")
+    form = {"/v1/videos": ({"prompt": "a cat", "size": "64x64"}, FORM_TYPES),
+            "/v1/videos/extensions": ({"prompt": "more", "seconds": "4", "video[id]": "video_src"}, FORM_EXTEND_TYPES)}
+    for path, (base, types) in form.items():
+        for field, values in types.items():
+            for value in values:
+                data = {k: v for k, v in base.items() if not (field == "video" and k == "video[id]")}
+                parts = {k: (None, v) for k, v in {**data, field: value}.items()}  # text parts (no filename)
+                yield pytest.param(path, {"files": parts}, field, "invalid_value",
+                                   id=f"form{path[10:] or '/create'}-{field}-{value}")
+        if path == "/v1/videos":  # an image file and a text input_reference: which one would it be?
+            parts = {**{k: (None, v) for k, v in base.items()}, "input_reference": (None, '{"image_url": "x"}')}
+            yield pytest.param(path, {"files": [*parts.items(), ("input_reference", ("a.png", b"png", "image/png"))]},
+                               "input_reference", "invalid_value", id="form/create-input_reference-twice")
+        for field in base:  # a text field sent as a file
+            parts = {k: (None, v) if k != field else ("f.txt", v.encode(), "text/plain") for k, v in base.items()}
+            yield pytest.param(path, {"files": parts}, field, "unexpected_file",
+                               id=f"form{path[10:] or '/create'}-{field}-as-a-file")
+
+
+@pytest.fixture(scope="module")
+def typed_ingress(profile):
+    app, manager, cfg = _video_ingress(profile)
+    manager.source = _source(cfg)
+    return app, manager
+
+
+@pytest.mark.parametrize("path,kw,param,code", list(_cases()))
+def test_a_field_of_another_type_is_a_400_naming_it(typed_ingress, path, kw, param, code):
+    """Every field of POST /v1/videos and /v1/videos/extensions (JSON and multipart) with a value of another type
+    than the documented one (a list, number, object, boolean, null where null is not allowed; in a form, text that
+    is not of the field's type, or a file for a text field) is a 400 naming it, and queues nothing. An
+    ``input_reference`` object whose ``image_url`` was a list, number or object used to be a 500 (AttributeError),
+    and booleans for numbers or numbers for ``drift_correction`` were read as 1/0."""
+    app, manager = typed_ingress
+    before = len(manager.created)
+
+    async def go(http):
+        ok = await http.post(path, json=CREATE_BASE if path == "/v1/videos" else EXTEND_BASE)
+        return ok, await http.post(path, **kw)
+
+    ok, r = _asgi(app, go)
+    assert ok.status_code == 200, ok.text  # the same request without the wrong field is queued
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert len(manager.created) == before + 1  # only the well-typed request

@@ -58,7 +58,9 @@ class RequestError(ValueError):
 
 
 class VideoParams(BaseModel):
-    """Raw request fields: OpenAI's, vLLM-Omni's and ours (module doc). Unknown fields are refused."""
+    """Raw request fields: OpenAI's, vLLM-Omni's and ours (module doc). Unknown fields are refused, and so is a
+    value of another type (a list, an object, a boolean for a number, a number for ``drift_correction``, null for
+    ``prompt`` or ``drift_correction``); a number may arrive as its text (multipart forms)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -83,6 +85,21 @@ class VideoParams(BaseModel):
     @classmethod
     def _seconds(cls, v):
         return None if v in ("", None) else v
+
+    @field_validator("seconds", "width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale",
+                     "seed", "sparsity", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v):  # pydantic's lax mode would read true/false as 1/0
+        if isinstance(v, bool):
+            raise ValueError("a boolean is not a number")
+        return v
+
+    @field_validator("drift_correction", mode="before")
+    @classmethod
+    def _a_bool(cls, v):  # a JSON boolean, or a form's text ("true", "false", "1", "0", ...); never a number or null
+        if not isinstance(v, (bool, str)):
+            raise ValueError("must be a boolean (true or false)")
+        return v
 
     @field_validator("quality", "cache", mode="before")
     @classmethod
