@@ -116,6 +116,13 @@ class TTSEngine:
         snac = load_snac(_resolve(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
         return cls(cfg, lm, tok, snac)
 
+    def close(self) -> None:
+        """Release what the LM holds besides its weights (the ``vllm`` backend's event-loop thread:
+        :meth:`audio.vllm_backend.VLLMSpeechLM.close`); nothing for the in-process LM. Idempotent."""
+        close = getattr(self.lm, "close", None)
+        if close is not None and not isinstance(self.lm, torch.nn.Module):
+            close()
+
     def ready(self) -> bool:
         """True when the LM can serve now (always for the in-process LM; the vLLM server's state otherwise)."""
         return getattr(self.lm, "state", "ready") == "ready"

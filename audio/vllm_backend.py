@@ -9,15 +9,20 @@ a sentence is one streaming ``/v1/completions`` request whose prompt is the toke
 Closing the token iterator (the loop guard fired, the sentence ended, the caller is gone) or setting the cancel
 event closes the HTTP stream, and vLLM aborts the request at once. The server and its client are owned by the
 serving layer and injected (an :class:`grafting.llm_client.LLMClient`); model code never starts processes.
+Every attempt's stream runs on the one event loop of the instance (a daemon thread started at the first
+attempt, ended by :meth:`VLLMSpeechLM.close`), not on a loop of its own: an event loop per attempt cost its
+creation and teardown on every sentence and retry (``bench/tts_stream_loop.py``), and a client that pools its
+connections needs them to live on one loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
-from grafting.llm_client import LLMClient
+from grafting.llm_client import EngineUnavailableError, LLMClient
 
 from .config import SamplingConfig
 from .layout import TokenLayout
@@ -30,10 +35,43 @@ SEED_MOD = 2**63  # vLLM seeds are int64
 
 class VLLMSpeechLM:
     """Audio-token source over a vLLM server (see the module docstring). ``client``: an LLMClient of the speech
-    LM's server. ``state`` and ``wait_ready`` are the client's."""
+    LM's server. ``state`` and ``wait_ready`` are the client's. :meth:`close` ends the event-loop thread that
+    the streams run on (the client and its server stay: the serving layer owns them)."""
 
     def __init__(self, client: LLMClient):
         self.client = client
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._lock = threading.Lock()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The instance's event loop, its thread started on first use (``tts-vllm-loop``, a daemon)."""
+        with self._lock:
+            if self._loop is None:
+                started = threading.Event()
+
+                async def serve():
+                    self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+                    started.set()
+                    await self._stop.wait()
+
+                # asyncio.run's teardown cancels what is left and runs the async generators' finalizers
+                self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name="tts-vllm-loop",
+                                                daemon=True)
+                self._thread.start()
+                started.wait()
+            return self._loop
+
+    def close(self) -> None:
+        """End the event-loop thread, once no attempt runs (the engine stops): a stream still on the loop is
+        cancelled and closed, and its reader gets EngineUnavailableError. Idempotent; a later attempt starts a
+        new loop."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+            if loop is not None:
+                loop.call_soon_threadsafe(self._stop.set)
+                thread.join()
 
     @property
     def state(self) -> str:
@@ -62,31 +100,70 @@ class VLLMSpeechLM:
         last when the sentence ended. Closing the iterator, or ``cancel`` being set (checked every
         :data:`POLL_S` s even while vLLM holds the request in its queue), closes the HTTP stream, which aborts
         the request in vLLM; on ``cancel`` it raises :class:`audio.generate.Cancelled`. Raises
-        EngineUnavailableError / EngineRequestError (``grafting.llm_client``). Runs its own event loop: call it
-        from a worker thread, not from a running loop."""
+        EngineUnavailableError / EngineRequestError (``grafting.llm_client``). The stream runs on the instance's
+        event loop (see the module docstring): call it from a worker thread, not from that loop."""
         from .generate import Cancelled
 
-        loop = asyncio.new_event_loop()
-        chunks = self.client.stream(self.body(input_ids, prompt_len, sampling, layout, seed, max_tokens,
-                                              allow_end))
+        pump = _Pump(self.client.stream(self.body(input_ids, prompt_len, sampling, layout, seed, max_tokens,
+                                                  allow_end)))
+        loop = self._running_loop()
+        asyncio.run_coroutine_threadsafe(pump.run(), loop)
         eos = layout.cfg.end_of_speech
         try:
             while True:
-                task = loop.create_task(chunks.__anext__())
-                while not task.done():
-                    loop.run_until_complete(asyncio.wait({task}, timeout=POLL_S))
-                    if cancel is not None and cancel.is_set() and not task.done():
-                        task.cancel()
-                        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-                        raise Cancelled()
                 try:
-                    chunk = task.result()
-                except StopAsyncIteration:
+                    chunk = pump.out.get(timeout=POLL_S)
+                except queue.Empty:
+                    chunk = None
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                if chunk is None:
+                    continue
+                if chunk is _END:
                     return
+                if isinstance(chunk, BaseException):
+                    raise chunk
                 yield from chunk.token_ids
                 if chunk.finish_reason == "stop" and (not chunk.token_ids or chunk.token_ids[-1] != eos):
                     yield eos
         finally:
-            loop.run_until_complete(chunks.aclose())
-            loop.run_until_complete(loop.shutdown_asyncgens())  # iterators the stream left to their finalizers
-            loop.close()
+            try:
+                asyncio.run_coroutine_threadsafe(pump.stop(), loop).result()
+            except RuntimeError:  # close() ended the loop under this attempt: its teardown closed the stream
+                pass
+
+
+_END = object()
+
+
+class _Pump:
+    """One attempt's stream ``chunks`` read on the event loop: :meth:`run` puts each chunk in ``out`` (a
+    thread-safe queue), then ``_END`` or the exception the stream raised; :meth:`stop` ends it."""
+
+    def __init__(self, chunks: AsyncIterator):
+        self.chunks, self.out, self.task = chunks, queue.SimpleQueue(), None
+
+    async def run(self) -> None:
+        """Read ``chunks`` into ``out`` (see the class docstring)."""
+        self.task = asyncio.current_task()
+        try:
+            async for chunk in self.chunks:
+                self.out.put(chunk)
+            self.out.put(_END)
+        except asyncio.CancelledError:  # by stop(), or by close() under a reader that is still waiting
+            self.out.put(EngineUnavailableError("the speech LM's stream was closed with its engine"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the reading thread
+            self.out.put(exc)
+
+    async def stop(self) -> None:
+        """Cancel the read if it still runs (which closes the HTTP stream), close ``chunks``, then let the
+        ``aclose()`` tasks that async-generator finalizers scheduled meanwhile run (a stream that returns from
+        inside ``async for`` leaves its inner iterator to the finalizer, which schedules a callback that creates
+        the task: two turns of the loop). Submitted after :meth:`run`, so it starts after it (FIFO)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.chunks.aclose()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)

@@ -101,7 +101,11 @@ class Deployment:
         return out
 
     def __del__(self):
-        """Replica shutdown: stop the vLLM server process this replica owns."""
+        """Replica shutdown: close the engine (the vllm backend's stream loop), then stop the vLLM server process
+        this replica owns."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()

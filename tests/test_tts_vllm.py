@@ -45,7 +45,9 @@ def engines(profile, model_dir):
     try:
         assert client.wait_ready(600), client.server.log_tail()
         ref = TTSEngine.from_config(cfg.model_copy(update={"backend": "transformers"}), model_dir)
-        yield {"vllm": TTSEngine(cfg, VLLMSpeechLM(client), ref.tokenizer, ref.snac), "transformers": ref}
+        vllm = TTSEngine(cfg, VLLMSpeechLM(client), ref.tokenizer, ref.snac)
+        yield {"vllm": vllm, "transformers": ref}
+        vllm.close()
     finally:
         client.close()
 
@@ -140,6 +142,7 @@ def test_loop_guard_closes_and_resubmits_on_vllm(engines):
     # with penalty 1.1 + 0.3, then cut short (max_retries 1)
     assert frames == [] and report.retries == 1 and report.cut_short and report.loops == [0, 0]
     assert lm.attempts == pytest.approx([1.1, 1.4])
+    lm.close()
     wait_held_zero(e)
 
 
