@@ -50,6 +50,7 @@ class Deployment:
 
         from grafting.config import VLMConfig
         from grafting.engine import VLMEngine
+        from grafting.token_bytes import TokenBytes
 
         cfg = FamilySection[VLMConfig].model_validate(section)
         if cfg.deployment.torch_threads:
@@ -70,6 +71,7 @@ class Deployment:
                 self.server.stop()
             raise
         self.batcher = self.engine.batcher() if self.engine.backend == "transformers" else None
+        self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
 
     async def ready(self) -> bool:
         """True once the engine is loaded (the constructor has returned) and, with the ``vllm`` backend, while
@@ -111,10 +113,12 @@ class Deployment:
             server.stop()
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
-        """OpenAI ``ChatCompletionTokenLogprob``: token text, its UTF-8 bytes, logprob, top alternatives."""
+        """OpenAI ``ChatCompletionTokenLogprob``: token text, its raw bytes (:class:`grafting.token_bytes.TokenBytes`:
+        a token holding part of a multi-byte character has those bytes, so the answer's tokens' bytes joined are
+        its UTF-8), logprob, top alternatives (the same fields each)."""
         def one(tid: int, lp: float) -> dict:
-            text = self.engine.tokenizer.decode([tid])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.engine.tokenizer.decode([tid]), "logprob": lp,
+                    "bytes": list(self.token_bytes(tid))}
 
         entry = one(token_id, logprob)
         entry["top_logprobs"] = [one(t, v) for t, v in (top or [])]
