@@ -321,6 +321,149 @@ def _flex(compiled: bool):
     return _compiled_flex
 
 
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@lru_cache(maxsize=1)
+def cpu_kernel() -> str:
+    """The kernel the gather backend runs each batch of query blocks on, chosen once per process from the CPU.
+
+    - "flash": ATen's fused CPU flash-attention kernel (the one dense `F.scaled_dot_product_attention` runs),
+      called on [G, 1, rows, D] x [G, 1, keys, D] batches; it returns the log-sum-exp the parts are merged with.
+    - "bmm": scores by one batched GEMM (`baddbmm`), the fused softmax kernel, P @ V by a second batched GEMM; the
+      log-sum-exp from max(score) - log(max(P)). On a 128-row query block the flash kernel cuts the rows into
+      32-row tiles (its tile is 32 rows below 192 query rows, 256 from 768), which MKL's sgemm runs far below the
+      rate of its 256-row tiles on an AVX2 CPU; whole 128-row GEMMs run at the dense kernel's rate.
+
+    Returns "bmm" where ATen's CPU capability is AVX2 (or less), "flash" on AVX512 CPUs (measured there: see
+    bench/sparse_attention.py, which prints the CPU's model and flags). Both are exact to float rounding.
+    """
+    return "flash" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "bmm"
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str):
+    """Softmax attention per batch element with its log-sum-exp (for merging partial results exactly).
+
+    q [G, M, D], k [G, L, D], v [G, L, Dv] float32 (k and v may be strided views) -> (out [G, M, Dv],
+    lse [G, M]), lse = log(sum_j exp(scale * q.k_j)) in natural log. kernel: "flash" or "bmm" (`cpu_kernel`);
+    "flash" needs Dv == D and falls back to "bmm" otherwise.
+    """
+    if kernel == "flash" and q.shape[-1] == v.shape[-1]:
+        out, lse = _FLASH_CPU(q[:, None], k[:, None], v[:, None], scale=scale)
+        return out[:, 0], lse[:, 0]
+    s = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
+    p = torch.softmax(s, -1)
+    # softmax is monotonic: its largest entry is exp(max(s) - lse)
+    lse = s.amax(-1).sub_(p.amax(-1).log_())
+    return torch.bmm(p, v), lse
+
+
+def _attend_rows(q, k, v, scale: float, kernel: str, budget_bytes: int):
+    """`_attend` with the query rows cut so that the bmm kernel's scores and probabilities (8 bytes per query
+    row and key) stay within `budget_bytes`; the flash kernel needs no cut (it tiles internally)."""
+    G, M, _ = q.shape
+    if kernel == "flash" and q.shape[-1] == v.shape[-1]:
+        return _attend(q, k, v, scale, kernel)
+    rows = max(1, budget_bytes // (8 * G * k.shape[1]))
+    parts = [_attend(q[:, r:r + rows], k, v, scale, kernel) for r in range(0, M, rows)]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+
+
+def _ranges(base: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """int64: arange(base[0], base[0] + lens[0]), arange(base[1], ...), ... concatenated."""
+    offsets = lens.cumsum(0) - lens
+    return torch.repeat_interleave(base - offsets, lens) + torch.arange(int(lens.sum()), device=base.device)
+
+
+def compact_block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    counts: torch.Tensor,
+    indices: torch.Tensor,
+    n_keep: int,
+    shared_blocks: int = 0,
+    budget_bytes: int = 8 << 20,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """Block-sparse attention on the real tokens only, at the rate of the fused dense kernel (the CPU backend).
+
+    Tokens come compacted: block b's real tokens are rows starts[b] : starts[b] + counts[b] (starts = exclusive
+    cumsum of counts), no padding anywhere, so no mask is needed and padding costs nothing. Two parts, merged
+    exactly through their log-sum-exps (out = lerp(out_var, out_shared, sigmoid(lse_shared - lse_var))):
+    - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame) are one
+      contiguous run of keys; all query rows of all heads attend to it in one call (`_attend_rows`).
+    - variable: the other kept blocks of each (head, query block). Their real keys are gathered into one
+      contiguous buffer; query blocks with the same (query rows, kept keys) are batched into one call
+      [G, rows, D] x [G, keys, D], G bounded by `budget_bytes`, on `kernel` (`cpu_kernel()` when None).
+
+    Args:
+        query, key: [B, H, N, D], value: [B, H, N, Dv]; N = counts.sum(); float32.
+        counts: int64 [n_blocks], real tokens per block (each >= 1).
+        indices: int [B, H, n_blocks, >= n_keep]; the first `n_keep` per row are the kept key blocks, the first
+            `shared_blocks` of them 0 .. shared_blocks - 1 (not checked here).
+        n_keep, shared_blocks: kept blocks per row and the shared prefix of them.
+        budget_bytes: bound on one call's gathered keys/values (+ scores for "bmm").
+        kernel: "flash" or "bmm" (see `cpu_kernel`).
+
+    Returns:
+        [B, H, N, Dv] float32; softmax scale 1/sqrt(D).
+    """
+    kernel = kernel or cpu_kernel()
+    B, H, N, D = query.shape
+    Dv, BH, nb = value.shape[-1], B * H, counts.numel()
+    scale = D**-0.5
+    q, k, v = query.reshape(BH, N, D), key.reshape(BH, N, D), value.reshape(BH, N, Dv)
+    n_var = n_keep - shared_blocks
+    if shared_blocks:
+        P = int(counts[:shared_blocks].sum())
+        out_s, lse_s = _attend_rows(q, k[:, :P], v[:, :P], scale, kernel, budget_bytes)
+        if not n_var:
+            return out_s.reshape(B, H, N, Dv)
+
+    # One element per (head, query block): its query rows and the real keys of its variable kept blocks, sorted
+    # by (rows, keys) so that each batch of equal shapes is one contiguous run of the flat index lists.
+    counts = counts.to(device=query.device, dtype=torch.int64)
+    starts = counts.cumsum(0) - counts
+    var = indices[..., shared_blocks:n_keep].reshape(BH * nb, n_var).long()
+    keys, rows = counts[var].sum(-1), counts.repeat(BH)
+    order = torch.argsort(rows * (int(keys.max()) + 1) + keys, stable=True)
+    dev = counts.device
+    head = torch.arange(BH, device=dev).repeat_interleave(nb)[order]
+    qblk = torch.arange(nb, device=dev).repeat(BH)[order]
+    keys, rows = keys[order], rows[order]
+    blk = var[order].reshape(-1)
+    k_idx = _ranges(starts[blk] + (head * N).repeat_interleave(n_var), counts[blk])
+    q_idx = _ranges(starts[qblk] + head * N, rows)
+    shape, n_same = torch.unique_consecutive(torch.stack([rows, keys], 1), dim=0, return_counts=True)
+    k_off, q_off = (keys.cumsum(0) - keys).tolist(), (rows.cumsum(0) - rows).tolist()
+
+    qf, kf, vf = q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, Dv)
+    out, lse = q.new_empty(BH * N, Dv), q.new_empty(BH * N)
+    per_kv_row = 4 * (D + Dv)
+    k_buf = v_buf = None
+    e = 0
+    for (m, n), count in zip(shape.tolist(), n_same.tolist()):
+        per = n * per_kv_row + (8 * m * n if kernel == "bmm" else 0)
+        step = max(1, min(count, budget_bytes // per))
+        if k_buf is None or k_buf.shape[0] < step * n:
+            k_buf, v_buf = q.new_empty(step * n, D), q.new_empty(step * n, Dv)
+        for e0 in range(e, e + count, step):
+            g = min(step, e + count - e0)
+            ks = k_idx[k_off[e0]:k_off[e0] + g * n]
+            qs = q_idx[q_off[e0]:q_off[e0] + g * m]
+            kb = torch.index_select(kf, 0, ks, out=k_buf[: g * n]).view(g, n, D)
+            vb = torch.index_select(vf, 0, ks, out=v_buf[: g * n]).view(g, n, Dv)
+            o, l = _attend(qf.index_select(0, qs).view(g, m, D), kb, vb, scale, kernel)
+            out.index_copy_(0, qs, o.reshape(g * m, Dv))
+            lse.index_copy_(0, qs, l.reshape(g * m))
+        e += count
+    out, lse = out.view(BH, N, Dv), lse.view(BH, N)
+    if shared_blocks:
+        out = torch.lerp(out, out_s, torch.sigmoid(lse_s - lse)[..., None])
+    return out.reshape(B, H, N, Dv)
+
+
 def gathered_block_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -331,16 +474,10 @@ def gathered_block_attention(
     valid: torch.Tensor | None = None,
     shared_blocks: int = 0,
     budget_bytes: int = 8 << 20,
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """Block-sparse attention by gathering each query block's kept key/value blocks and running batched GEMMs.
-
-    The CPU backend. Per query block (for a group of heads at once): gather its kept K and V blocks into one
-    contiguous buffer (`index_select`), scores = Q_blk @ K_kept^T (`bmm`, i.e. the BLAS GEMM), a softmax with the
-    max subtracted, out = P @ V_kept, normalised after the product as in FlashAttention (Dao et al. 2022). The
-    `shared_blocks` leading key blocks that every row keeps (the first latent frame) are not gathered: they are
-    read in place as one strided operand. Padding slots get a -inf score bias (gathered with their blocks). Work
-    is the kept blocks only, like compiled flex_attention, but on CPU the GEMMs run at BLAS speed (inductor's CPU
-    flex template uses a 1x16 fp32 micro-kernel).
+    """Block-sparse attention by gathering each query block's kept key/value blocks (the CPU backend), on tiled,
+    padded inputs: drops the padding slots and runs `compact_block_attention` on the real tokens.
 
     Args:
         query, key: [B, H, S_pad, D], value: [B, H, S_pad, Dv]; tiled (`TileLayout.to_tiles`), S_pad = n_blocks *
@@ -349,11 +486,11 @@ def gathered_block_attention(
             blocks in ascending order.
         n_keep: kept blocks per row.
         block_size: tokens per block.
-        valid: bool [S_pad], real tokens (None: all real); keys at padding slots are masked, query rows there are
-            computed but meaningless.
+        valid: bool [S_pad], real tokens (None: all real); padding slots are never attended to, and their query
+            rows are not computed (zeros in the output).
         shared_blocks: leading kept entries equal to 0, 1, ..., shared_blocks - 1 in every row (checked).
-        budget_bytes: rough size of one step's working set (gathered K/V and scores); sets how many heads are
-            batched per step.
+        budget_bytes: bound on one call's gathered keys and values (and scores for the "bmm" kernel).
+        kernel: "flash" or "bmm" (`cpu_kernel()` when None).
 
     Returns:
         [B, H, S_pad, Dv] in the dtype of `query`; softmax scale 1/sqrt(D) (the query's head dim).
@@ -365,66 +502,16 @@ def gathered_block_attention(
     B, H, S_pad, D = query.shape
     Dv = value.shape[-1]
     valid = _check_valid(valid, S_pad, block_size, query.device)
-    nb, bs, BH = S_pad // block_size, block_size, B * H
-    dtype = query.dtype
-    q, scale = query.float().reshape(BH, nb, bs, D), D**-0.5
-    k = key.float().reshape(BH, S_pad, D)
-    v = value.float().reshape(BH, S_pad, Dv)
-    idx = indices[..., :n_keep].reshape(BH, nb, n_keep).long()
+    nb = S_pad // block_size
+    idx = indices[..., :n_keep]
     shared_blocks = min(shared_blocks, n_keep)
     if shared_blocks and not bool((idx[..., :shared_blocks] == torch.arange(shared_blocks, device=idx.device)).all()):
         raise ValueError(f"the first {shared_blocks} kept blocks are not shared by every row")
-    n_var = n_keep - shared_blocks
-    # Rows of the gathered (variable) part, as indices into [BH * nb] blocks; step-major for one slice per step.
-    var_idx = (idx[..., shared_blocks:] + nb * torch.arange(BH, device=idx.device)[:, None, None]).transpose(0, 1)
-    k_blocks, v_blocks = k.reshape(BH * nb, bs, D), v.reshape(BH * nb, bs, Dv)
-    f32 = {"dtype": torch.float32, "device": q.device}
-    bias = torch.zeros(S_pad, **f32).masked_fill_(~valid, float("-inf"))  # additive score bias per key slot
-    shared_bias = bias[: shared_blocks * bs] if not bool(valid[: shared_blocks * bs].all()) else None
-    var_bias = bias.view(nb, bs) if not bool(valid[shared_blocks * bs:].all()) else None
-    out = torch.empty(BH, nb, bs, Dv, **f32)
-
-    per_head = 4 * (n_var * bs * (D + Dv) + bs * n_keep * bs)
-    group = max(1, min(BH, budget_bytes // max(per_head, 1)))
-    for h0 in range(0, BH, group):
-        h1 = min(BH, h0 + group)
-        g = h1 - h0
-        k_shared, v_shared = k[h0:h1, : shared_blocks * bs], v[h0:h1, : shared_blocks * bs]
-        s_shared = torch.empty(g, bs, shared_blocks * bs, **f32)
-        s_var = torch.empty(g, bs, n_var * bs, **f32)
-        k_var = torch.empty(g * n_var, bs, D, **f32)
-        v_var = torch.empty(g * n_var, bs, Dv, **f32)
-        row_max, row_sum = torch.empty(g, bs, 1, **f32), torch.empty(g, bs, 1, **f32)
-        for blk in range(nb):
-            q_blk, o_blk = q[h0:h1, blk], out[h0:h1, blk]
-            rows = var_idx[blk, h0:h1]  # [g, n_var]
-            if shared_blocks:
-                torch.baddbmm(s_shared, q_blk, k_shared.transpose(1, 2), beta=0.0, alpha=scale, out=s_shared)
-                if shared_bias is not None:
-                    s_shared += shared_bias
-            if n_var:
-                flat = rows.reshape(-1)
-                torch.index_select(k_blocks, 0, flat, out=k_var)
-                torch.index_select(v_blocks, 0, flat, out=v_var)
-                torch.baddbmm(s_var, q_blk, k_var.view(g, n_var * bs, D).transpose(1, 2), beta=0.0, alpha=scale,
-                              out=s_var)
-                if var_bias is not None:  # padding slots of the gathered blocks
-                    s_var += var_bias[rows % nb].view(g, 1, n_var * bs)
-            parts = [(s, vv) for s, vv, n in ((s_shared, v_shared, shared_blocks), (s_var, v_var, n_var)) if n]
-            torch.amax(parts[0][0], -1, keepdim=True, out=row_max)
-            for s, _ in parts[1:]:
-                row_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-            row_sum.zero_()
-            for i, (s, vv) in enumerate(parts):
-                s.sub_(row_max).exp_()
-                row_sum += s.sum(-1, keepdim=True)
-                vv = vv.view(g, -1, Dv)
-                if i == 0:
-                    torch.bmm(s, vv, out=o_blk)
-                else:
-                    o_blk.baddbmm_(s, vv)
-            o_blk.div_(row_sum)
-    return out.view(B, H, S_pad, Dv).to(dtype)
+    real = torch.nonzero(valid).squeeze(1)
+    q, k, v = (x.float().index_select(2, real) for x in (query, key, value))
+    out = compact_block_attention(q, k, v, valid.view(nb, block_size).sum(-1), idx, n_keep, shared_blocks,
+                                  budget_bytes, kernel)
+    return out.new_zeros(B, H, S_pad, Dv).index_copy_(2, real, out).to(query.dtype)
 
 
 def block_sparse_attention(
@@ -468,15 +555,19 @@ def block_sparse_attention(
     layout = tile_layout(tuple(grid), tuple(tile))
     bs, nb = layout.block_size, layout.n_blocks
     valid = layout.valid.to(query.device)
-    q, k, v = (layout.to_tiles(x) for x in (query, key, value))
+    q, k = (layout.to_tiles(x) for x in (query, key))
     forced_cols = torch.arange(nb, device=query.device) < layout.first_frame_blocks
     indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid)
-    if backend == "gather":
-        out = gathered_block_attention(q, k, v, indices, n_keep, bs, valid, shared_blocks=layout.first_frame_blocks)
-    else:
-        mask = make_block_mask(indices, n_keep, valid, bs)
-        out = _flex(compiled)(q, k, v, block_mask=mask)
-    return layout.from_tiles(out)
+    if backend == "gather":  # straight from frame-major to the real tokens in tile order, and back
+        real = layout.slots[layout.valid].to(query.device)  # frame-major token at each compact position
+        back = torch.empty_like(real)
+        back[real] = torch.arange(N, device=real.device)
+        qc, kc, vc = (x.float().index_select(2, real) for x in (query, key, value))
+        out = compact_block_attention(qc, kc, vc, valid.view(nb, bs).sum(-1), indices, n_keep,
+                                      min(layout.first_frame_blocks, n_keep))
+        return out.index_select(2, back).to(query.dtype)
+    mask = make_block_mask(indices, n_keep, valid, bs)
+    return layout.from_tiles(_flex(compiled)(q, k, layout.to_tiles(value), block_mask=mask))
 
 
 # ----------------------------------------------------------------------------------------------------------------
