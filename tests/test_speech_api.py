@@ -91,6 +91,40 @@ def test_sdk_streaming_response_bytes_before_end(openai_client, ray_cluster):
     assert chunks > 2 and total % 2048 == 0
 
 
+LONG_TEXT = " ".join(f"Sentence number {i} is here." for i in range(40))  # 40 sentences of 7 frames
+
+
+def _ray_session_dir() -> Path:
+    """This Ray session's folder (its ``logs`` inside), from Ray's public runtime context: the node's temp
+    directory joined with the session name (Ray's layout, ``/tmp/ray/session_<...>`` by default)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return Path(ctx.get_temp_dir()) / ctx.get_session_name()
+
+
+def _frames(handle) -> int:
+    """Audio frames the tts deployment has generated so far (its ``stats()["frames"]``: work done)."""
+    return handle.stats.remote().result()["frames"]
+
+
+@pytest.fixture(scope="module")
+def long_text_frames(serve_url, ray_cluster) -> int:
+    """Frames of an uncancelled synthesis of LONG_TEXT (seed 5): what a cancel that does not reach the synthesis
+    lets it make. The deployment's frame counter grows by exactly the usage's frames."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("tts", app_name="chimera")
+    assert _wait_idle(handle)
+    before = _frames(handle)
+    r = httpx.post(f"{serve_url}/v1/audio/speech", timeout=600, json={
+        "input": LONG_TEXT, "voice": "tara", "response_format": "pcm", "stream_format": "sse", "seed": 5})
+    usage = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")][-1]["usage"]
+    assert _wait_idle(handle)
+    assert usage["frames"] == _frames(handle) - before >= 40 * 4, usage
+    return usage["frames"]
+
+
 def _wait_idle(handle, limit: float = 600.0) -> bool:
     """True once the tts deployment runs no synthesis (polled every 50 ms); False after ``limit`` seconds on a
     monotonic clock (a ceiling that turns a hang into a failure, not a speed requirement)."""
@@ -102,17 +136,23 @@ def _wait_idle(handle, limit: float = 600.0) -> bool:
     return False
 
 
-def test_http_stream_closed_early_stops_generation(serve_url, ray_cluster):
+def test_http_stream_closed_early_stops_generation(serve_url, ray_cluster, long_text_frames):
+    """Closing the response mid-utterance stops the synthesis: by work done, not time. Once the deployment is
+    idle it has made fewer frames for this request than the uncancelled synthesis of the same text does (half at
+    most; if the cancel did not reach the synthesis, idle comes only after all of them)."""
     from ray import serve
 
     handle = serve.get_deployment_handle("tts", app_name="chimera")
-    body = {"model": "chimera-tts", "voice": "tara", "response_format": "wav",
-            "input": " ".join(f"Sentence number {i} is here." for i in range(8))}
+    body = {"model": "chimera-tts", "voice": "tara", "response_format": "wav", "input": LONG_TEXT, "seed": 5}
+    assert _wait_idle(handle)  # nothing of an earlier test still counts
+    before = _frames(handle)
     with httpx.stream("POST", f"{serve_url}/v1/audio/speech", json=body, timeout=120) as r:
         assert r.status_code == 200
         next(r.iter_raw())
         assert handle.active.remote().result() == 1, "expected exactly this synthesis running"
     assert _wait_idle(handle), "generation still running after the client went away"  # closed mid-utterance
+    made = _frames(handle) - before
+    assert 0 < made <= long_text_frames // 2, (made, long_text_frames)
 
 
 def test_sse_stream(serve_url):
@@ -246,7 +286,7 @@ def test_each_documented_field_has_its_effect(openai_client):
 def test_invalid_unicode_is_400_and_ws_error_without_traceback(serve_url, ray_cluster):
     """Issue 10, defect 4: a lone UTF-16 surrogate (JSON ``"\\ud800"``) in any text is 400 ``invalid_unicode``
     over HTTP and an ``error`` event on the websocket, which stays open; no log of the cluster gets a traceback."""
-    logs = Path(ray_cluster._private.worker._global_node.get_session_dir_path()) / "logs"
+    logs = _ray_session_dir() / "logs"
 
     def count(word: str, pattern: str = "*") -> int:
         return sum(f.read_text(errors="ignore").count(word) for f in logs.rglob(pattern)
@@ -326,10 +366,19 @@ def test_ws_pieces_speak_like_one_piece_and_two_commits(serve_url):
     assert done1["usage"]["audio_seconds"] == pytest.approx(len(one) / 2 / 24000, abs=1e-3)
 
 
-def test_ws_cancel_stops_deltas_and_socket_stays(serve_url):
+def test_ws_cancel_stops_deltas_and_socket_stays(serve_url, ray_cluster, long_text_frames):
+    """``response.cancel`` mid-utterance: a ``cancelled`` done, no delta of it after that, the synthesis stopped
+    (by work done: once idle, half the frames of the uncancelled synthesis at most), and the socket speaks again."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("tts", app_name="chimera")
     with connect(_ws_url(serve_url)) as ws:
         ws.recv(timeout=30)
-        _send(ws, type="input_text.append", text=" ".join(f"Sentence number {i} is here." for i in range(8)))
+        _send(ws, type="session.update", session={"seed": 5})
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
+        assert _wait_idle(handle)  # nothing of an earlier test still counts
+        before = _frames(handle)
+        _send(ws, type="input_text.append", text=LONG_TEXT)
         _send(ws, type="input_text.commit")
         first = json.loads(ws.recv(timeout=60))
         assert first["type"] == "response.audio.delta"
@@ -341,6 +390,9 @@ def test_ws_cancel_stops_deltas_and_socket_stays(serve_url):
                 break
             assert m["type"] == "response.audio.delta"
         assert m["status"] == "cancelled" and m["response_id"] == rid
+        assert _wait_idle(handle), "generation still running after the cancel"
+        made = _frames(handle) - before
+        assert 0 < made <= long_text_frames // 2, (made, long_text_frames)
         _send(ws, type="input_text.append", text="Short one.")
         _send(ws, type="input_text.commit")
         seen: list = []
@@ -391,7 +443,10 @@ def _gauge(serve_url: str) -> float:
     return sum(vals)
 
 
-def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster):
+def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster, long_text_frames):
+    """A socket closed mid-utterance frees its session (the gauge returns to 0) and stops the synthesis (by work
+    done: once idle, half the frames of the uncancelled synthesis at most); the api_key query parameter is in no
+    log of the cluster."""
     from ray import serve
 
     handle = serve.get_deployment_handle("tts", app_name="chimera")
@@ -399,19 +454,23 @@ def test_ws_disconnect_frees_session_and_stops_generation(serve_url, ray_cluster
     with connect(_ws_url(serve_url, f"?api_key={secret}")) as ws:
         ws.recv(timeout=30)
         assert _gauge(serve_url) >= 1
-        _send(ws, type="input_text.append", text=" ".join(f"Sentence number {i} is here." for i in range(8)))
+        _send(ws, type="session.update", session={"seed": 5})
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
+        assert _wait_idle(handle)  # nothing of an earlier test still counts
+        before = _frames(handle)
+        _send(ws, type="input_text.append", text=LONG_TEXT)
         _send(ws, type="input_text.commit")
         assert json.loads(ws.recv(timeout=60))["type"] == "response.audio.delta"
         assert handle.active.remote().result() == 1, "expected exactly this synthesis running"
         ws.close()  # mid-utterance
     assert _wait_idle(handle), "generation still running after the socket closed"
+    made = _frames(handle) - before
+    assert 0 < made <= long_text_frames // 2, (made, long_text_frames)
     deadline = time.monotonic() + 120  # a ceiling against a hang
     while _gauge(serve_url) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gauge(serve_url) == 0
-    import ray
-
-    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    session_dir = _ray_session_dir()
     route_logged = False
     for f in session_dir.rglob("*"):
         if f.is_file() and f.stat().st_size < 50_000_000 and f.suffix in (".log", ".out", ".err", ".txt", ""):
@@ -462,10 +521,9 @@ def test_ws_bad_input_keeps_socket_open(serve_url):
 
 def test_input_errors_are_answers_not_replica_failures(serve_url, ray_cluster):
     """A bad request that reaches the replica comes back as an error event; the replica logs no traceback."""
-    import ray
     from ray import serve
 
-    log_dir = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    log_dir = _ray_session_dir() / "logs" / "serve"
 
     def replica_log() -> str:
         return "".join(f.read_text(errors="ignore") for f in sorted(log_dir.glob("replica_chimera_tts_*.log")))
