@@ -7,6 +7,14 @@
   in the manager, first in first out, for an idle worker; a worker runs one job at a time, so one job owns one
   GPU. Cancel kills the job's worker (its GPU is free at once) and a fresh worker takes its slot; a worker that
   dies mid-job fails the job (``worker_died``) and is replaced the same way.
+- Engine loading: a worker's slot takes jobs only once its engine has loaded (:meth:`JobManager.readiness`, the
+  video deployment's ``ready``, says so). A worker whose engine does not load (a missing or broken checkpoint)
+  is started again at most ``load_attempts`` times in a row (:data:`ENGINE_LOAD_ATTEMPTS`), then its slot is
+  given up; once every slot is given up, readiness reports the cause and every waiting or new job fails with
+  ``engine_unavailable`` naming it (no new worker per job).
+- Expiry: a finished job (completed or failed) expires ``jobs.ttl_s`` after it finished (``expires_at``); from
+  then on it is gone, exactly like a deleted one (404 ``video_not_found``), and its record and files are removed:
+  on access, and by a sweep of every expired job on each create, list and manager start.
 - The manager is restarted by Ray when it dies (:func:`get_manager`: ``max_restarts=-1``); the restarted one
   applies the restart recovery below on first contact. :func:`get_manager` replaces a running manager whose
   configuration differs (a redeploy with a changed profile) instead of reusing it.
@@ -19,12 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .job_store import JobStore, request_hash, video_object
+from .job_store import ACTIVE, JobStore, request_hash, video_object
+
+log = logging.getLogger("chimera")
+
+#: How many times in a row a slot's worker is started when its engine does not load before the slot is given up
+#: (a missing checkpoint fails the same way every time; a transient failure rarely twice).
+ENGINE_LOAD_ATTEMPTS = 3
 
 
 class JobError(Exception):
@@ -46,10 +61,13 @@ class JobManager:
     :func:`get_manager`).
 
     ``engine_cfg``: the video engine config (dict); ``model_dir``: the profile's model dir; ``model_id``: the
-    public model id. All methods return plain dicts (Video objects) or raise :class:`JobError`.
+    public model id; ``load_attempts``: worker starts per slot in a row whose engine does not load before the slot
+    is given up; ``clock``: seconds since the epoch (``time.time``; tests inject one to cross ``expires_at``
+    without waiting). All methods return plain dicts (Video objects) or raise :class:`JobError`.
     """
 
-    def __init__(self, engine_cfg: dict, model_dir: str, model_id: str):
+    def __init__(self, engine_cfg: dict, model_dir: str, model_id: str, load_attempts: int = ENGINE_LOAD_ATTEMPTS,
+                 clock: Callable[[], float] = time.time):
         from video.config import VideoConfig
 
         self.cfg = VideoConfig.model_validate(engine_cfg)
@@ -63,13 +81,24 @@ class JobManager:
         res = Path(jobs.results_dir)
         self.store = JobStore(url, res if res.is_absolute() else Path(model_dir) / res)
         self.config_hash = config_hash(engine_cfg, model_dir, model_id)
+        self.clock = clock
+        self.load_attempts = load_attempts
         self.watchers: dict[str, asyncio.Task] = {}  # job id -> its task (waiting for a worker, or running)
         self.busy: dict[str, int] = {}  # job id -> the slot of the worker running it
-        self.workers = [self._new_worker() for _ in range(jobs.workers)]
-        self.idle: asyncio.Queue[int] = asyncio.Queue()  # slots of idle workers; waiting jobs are served FIFO
+        # slots of idle workers with a loaded engine (waiting jobs are served FIFO); None once every slot is given up
+        self.idle: asyncio.Queue[int | None] = asyncio.Queue()
+        self.slot_state = ["loading"] * jobs.workers  # loading | ready | failed (given up)
+        self.starts = [0] * jobs.workers  # workers started per slot
+        self.load_failures = [0] * jobs.workers  # engine loads failed in a row per slot
+        self.load_errors: list[str | None] = [None] * jobs.workers  # the last one's cause
+        self.engine_error: str | None = None  # set once every slot is given up
+        self._loading: set[asyncio.Task] = set()
+        self._watching_loads = False  # the load watches start on first contact (they need the event loop)
+        self.workers = [None] * jobs.workers
         for slot in range(jobs.workers):
-            self.idle.put_nowait(slot)
+            self._start_worker(slot)
         self._recovered = False
+        self._recover_lock = asyncio.Lock()  # one recovery at a time; the others wait for its outcome
         self._last_created = self.store.latest_created_at()
         self._create_lock = asyncio.Lock()  # idempotency check + queue check + insert, as one step
 
@@ -89,7 +118,7 @@ class JobManager:
 
     def _created_at(self) -> float:
         """Now (wall clock, s), but strictly after every job already stored: creation order is list order."""
-        now = max(time.time(), self._last_created + 1e-3)
+        now = max(self.clock(), self._last_created + 1e-3)
         self._last_created = now
         return now
 
@@ -100,30 +129,53 @@ class JobManager:
         return ray.get_runtime_context().current_actor
 
     async def recover(self) -> dict:
-        """Apply the restart policy once (see module doc) and purge expired jobs. Returns counts."""
+        """Apply the restart policy once (see module doc), purge expired jobs and start watching the workers'
+        engine loads. Returns counts (zeros once done). Concurrent first calls wait for one recovery; one that
+        fails half-way raises and is tried again in full by the next call (the store updates it made are not
+        repeated: those jobs are no longer ``in_progress``)."""
+        zeros = {"interrupted": 0, "requeued": 0, "expired": 0}
         if self._recovered:
-            return {"interrupted": 0, "requeued": 0, "expired": 0}
-        self._recovered = True
-        now = time.time()
-        interrupted = await self._io(self.store.with_status, "in_progress")
-        for row in interrupted:
-            await self._io(self.store.update, row["id"], status="failed", phase=row["phase"],
-                           error_code="interrupted",
-                           error_message="the service stopped while this job was running; submit it again",
-                           completed_at=now)
-        queued = await self._io(self.store.with_status, "queued")
-        for row in queued:
-            self._launch(row)
-        completed = await self._io(self.store.with_status, "completed")
-        expired = [r for r in completed if r["expires_at"] and r["expires_at"] < now]
-        for r in expired:
-            await self._io(self.store.delete, r["id"])
-        return {"interrupted": len(interrupted), "requeued": len(queued), "expired": len(expired)}
+            return zeros
+        async with self._recover_lock:
+            if self._recovered:
+                return zeros
+            self._watch_loads()
+            now = self.clock()
+            interrupted = await self._io(self.store.with_status, "in_progress")
+            for row in interrupted:
+                await self._io(self.store.update, row["id"], status="failed", phase=row["phase"],
+                               error_code="interrupted",
+                               error_message="the service stopped while this job was running; submit it again",
+                               completed_at=now, expires_at=now + self.cfg.jobs.ttl_s)
+            queued = await self._io(self.store.with_status, "queued")
+            expired = await self._sweep()
+            await self._io(self.store.remove_tombstones)
+            for row in queued:  # last: nothing after a launch can fail, so a retry never launches a job twice
+                self._launch(row)
+            self._recovered = True
+            return {"interrupted": len(interrupted), "requeued": len(queued), "expired": expired}
+
+    async def _sweep(self) -> int:
+        """Remove every expired job (record and files); returns how many."""
+        ids = await self._io(self.store.expired, self.clock())
+        for job_id in ids:
+            await self._io(self.store.delete, job_id)
+        return len(ids)
 
     async def ping(self) -> bool:
         """Liveness (and the first-contact restart recovery)."""
         await self.recover()
         return True
+
+    async def readiness(self) -> dict:
+        """Whether a job can run now, answered from the manager's state at once (never waits on a load; applies
+        the first-contact recovery): ``{"ready": bool (a worker holds its loaded engine), "workers": int,
+        "loaded": int (slots whose engine loaded), "starts": [int] (workers started per slot), "error": str |
+        None (set once every slot is given up: the cause; jobs then fail ``engine_unavailable``)}``."""
+        await self.recover()
+        loaded = self.slot_state.count("ready")
+        return {"ready": loaded > 0, "workers": len(self.workers), "loaded": loaded, "starts": list(self.starts),
+                "error": self.engine_error}
 
     # -- submit
     async def create(self, request: dict, image_png: bytes | None = None, extend_from: dict | None = None,
@@ -138,6 +190,7 @@ class JobManager:
         when ``max_queued`` jobs are unfinished. ``owner``: the creating API key's id (None without keys); the
         job is visible to that owner only, and idempotency keys are scoped to it (:meth:`scoped_key`)."""
         await self.recover()
+        await self._sweep()
         async with self._create_lock:
             return await self._create(request, image_png, extend_from, upload, idempotency_key, seconds_label,
                                       owner)
@@ -200,54 +253,116 @@ class JobManager:
                                              max_restarts=0, max_concurrency=1).remote(
             self.cfg_json, self.model_dir, jobs.gpus_per_job)
 
+    def _start_worker(self, slot: int) -> None:
+        """Put a fresh worker in ``slot``; the slot takes jobs once its engine has loaded (:meth:`_load`)."""
+        self.workers[slot] = self._new_worker()
+        self.starts[slot] += 1
+        self.slot_state[slot] = "loading"
+        if self._watching_loads:
+            self._spawn_load(slot)
+
+    def _watch_loads(self) -> None:
+        """Start watching the engine load of every slot's worker (once; first contact, on the event loop)."""
+        if not self._watching_loads:
+            self._watching_loads = True
+            for slot in range(len(self.workers)):
+                self._spawn_load(slot)
+
+    def _spawn_load(self, slot: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._load(slot, self.workers[slot]))
+        self._loading.add(task)
+        task.add_done_callback(self._loading.discard)
+
+    async def _load(self, slot: int, worker) -> None:
+        """Wait for ``worker``'s engine. Loaded: the slot takes jobs. Not loaded (an error, or the process died
+        while loading): the worker is killed and another started, unless ``load_attempts`` in a row failed; then
+        the slot is given up, and once every slot is, :attr:`engine_error` is set and the waiting jobs woken."""
+        import ray
+
+        try:
+            error = (await worker.status.remote())["error"]
+        except ray.exceptions.RayActorError as exc:
+            error = f"the worker process died while loading the engine: {type(exc).__name__}: {exc}"[:2000]
+        if self.workers[slot] is not worker:  # replaced meanwhile (a cancel killed it)
+            return
+        if error is None:
+            self.load_failures[slot] = 0
+            self.slot_state[slot] = "ready"
+            self.idle.put_nowait(slot)
+            return
+        self.load_failures[slot] += 1
+        self.load_errors[slot] = error
+        ray.kill(worker, no_restart=True)
+        if self.load_failures[slot] < self.load_attempts:
+            self._start_worker(slot)
+            return
+        self.slot_state[slot] = "failed"
+        log.error("video job worker %d: the engine did not load %d times in a row, slot given up: %s", slot,
+                  self.load_failures[slot], error)
+        if all(st == "failed" for st in self.slot_state):
+            self.engine_error = (f"no video job worker could load its engine ({self.load_failures[slot]} "
+                                 f"attempts per worker): {error}")
+            self.idle.put_nowait(None)  # wakes the waiting jobs: each fails and passes it on
+
     def _replace_worker(self, slot: int) -> None:
         """Kill the worker in ``slot`` (no restart: its GPU is free at once) and put a fresh one there."""
         import ray
 
         ray.kill(self.workers[slot], no_restart=True)
-        self.workers[slot] = self._new_worker()
+        self._start_worker(slot)
 
     def _launch(self, row: dict) -> None:
-        self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row))
+        if row["id"] not in self.watchers:
+            self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row))
 
     async def _watch(self, row: dict) -> None:
         """Wait for an idle worker, run the job there, record the outcome; the worker's slot is given back."""
         import ray
 
-        job_id, slot = row["id"], None
+        job_id, slot, worker = row["id"], None, None
+        ttl = self.cfg.jobs.ttl_s
         try:
             from video.request import seconds_label
 
             slot = await self.idle.get()
+            if slot is None:  # every slot was given up: pass the wake-up on to the next waiting job
+                self.idle.put_nowait(None)
+                from grafting.llm_client import EngineUnavailableError
+
+                raise EngineUnavailableError(self.engine_error)
+            worker = self.workers[slot]
             if not await self._io(self.store.update_if_active, job_id, status="queued"):  # deleted while it waited
                 return
             self.busy[job_id] = slot
-            result = await self.workers[slot].run.remote(job_id, str(self.store.job_dir(job_id)), row["params"],
-                                                         self._handle())
-            now = time.time()
+            result = await worker.run.remote(job_id, str(self.store.job_dir(job_id)), row["params"], self._handle())
+            now = self.clock()
             row = await self._io(self.store.get, job_id)
             await self._io(self.store.update_if_active, job_id, status="completed", phase="encoding", progress=100,
                            seconds=seconds_label(result["frames"], result["fps"]),
                            clips_done=row["clips_total"] if row else 0, completed_at=now,
-                           expires_at=now + self.cfg.jobs.ttl_s, worker_started_at=result["started"],
+                           expires_at=now + ttl, worker_started_at=result["started"],
                            worker_finished_at=result["finished"])
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
-            self._replace_worker(slot)
+            if self.workers[slot] is worker:  # not already replaced by a cancel
+                self._replace_worker(slot)
+            now = self.clock()
             await self._io(self.store.update_if_active, job_id, status="failed", error_code="worker_died",
                            error_message=f"the job's worker stopped: {type(exc).__name__}: {exc}"[:2000],
-                           completed_at=time.time())
+                           completed_at=now, expires_at=now + ttl)
         except Exception as exc:  # noqa: BLE001 - recorded on the job
             from services.errors import unwrap
 
             cause = unwrap(exc)
             code = getattr(cause, "code", None) or ("invalid_input" if isinstance(cause, ValueError)
                                                     else "generation_failed")
+            now = self.clock()
             await self._io(self.store.update_if_active, job_id, status="failed", error_code=str(code),
-                           error_message=f"{type(cause).__name__}: {cause}"[:2000], completed_at=time.time())
+                           error_message=f"{type(cause).__name__}: {cause}"[:2000], completed_at=now,
+                           expires_at=now + ttl)
         finally:
             self.busy.pop(job_id, None)
             self.watchers.pop(job_id, None)
-            if slot is not None:
+            if slot is not None and self.workers[slot] is worker:  # a replaced worker's slot returns once loaded
                 self.idle.put_nowait(slot)
 
     # -- reports from job tasks
@@ -256,7 +371,7 @@ class JobManager:
         ``device`` (the worker's ``CUDA_VISIBLE_DEVICES``, or ``cpu`` without one), ``engine_device`` (the torch
         device of the engine's weights) and ``worker_pid``."""
         await self._io(self.store.update_if_active, job_id, status="in_progress", phase="denoising",
-                       started_at=time.time(), device=str(where["cuda_visible_devices"] or "cpu"),
+                       started_at=self.clock(), device=str(where["cuda_visible_devices"] or "cpu"),
                        engine_device=str(where["engine_device"]), worker_pid=int(where["pid"]))
 
     async def progress(self, job_id: str, phase: str, percent: int, clips_done: int) -> None:
@@ -266,9 +381,14 @@ class JobManager:
 
     # -- queries
     async def _row(self, job_id: str, param: str = "video_id", owner: str | None = None) -> dict:
-        """The store row of ``job_id``. Raises JobError(404) when there is none, or when ``owner`` is given and
-        the job belongs to someone else (another key's job looks exactly like a missing one)."""
+        """The store row of ``job_id``. Raises JobError(404) when there is none, when it has expired (it is
+        removed then, record and files), or when ``owner`` is given and the job belongs to someone else (another
+        key's job, like an expired one, looks exactly like a missing one)."""
         row = await self._io(self.store.get, job_id)
+        if row is not None and row["expires_at"] is not None and row["expires_at"] <= self.clock() \
+                and row["status"] not in ACTIVE:
+            await self._io(self.store.delete, job_id)
+            row = None
         if row is None or (owner is not None and row.get("owner") != owner):
             raise JobError(404, f"no video with id {job_id!r}", "video_not_found", param)
         return row
@@ -285,8 +405,9 @@ class JobManager:
     async def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
                    owner: str | None = None) -> dict:
         """A page of Video objects: ``{"object": "list", "data", "first_id", "last_id", "has_more"}``; with
-        ``owner``, only that owner's jobs."""
+        ``owner``, only that owner's jobs. Expired jobs are swept first, so none is listed."""
         await self.recover()
+        await self._sweep()
         try:
             rows = await self._io(self.store.list, limit + 1, after, order, owner)
         except LookupError:

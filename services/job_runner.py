@@ -15,6 +15,7 @@ once) and the manager starts a fresh one in its place.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,8 +26,10 @@ class JobWorker:
     :class:`video.engine.VideoEngine` built on the GPU Ray gave it.
 
     ``cfg_json``: the VideoConfig as JSON; ``model_dir``: the profile's model dir; ``gpus``: the GPUs asked for
-    (0: the engine runs on ``cfg.device``, the CPU on the cpu profile). Raises what the engine's loading raises
-    (OSError, ValueError) from ``__init__``.
+    (0: the engine runs on ``cfg.device``, the CPU on the cpu profile). An engine that does not load (a missing
+    or broken checkpoint: OSError, ValueError, a CUDA error) does not kill the actor: ``__init__`` logs it once
+    and returns, :meth:`status` reports it (the manager decides whether to start another worker) and :meth:`run`
+    raises EngineUnavailableError naming it.
     """
 
     def __init__(self, cfg_json: str, model_dir: str, gpus: float):
@@ -39,16 +42,34 @@ class JobWorker:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         device = "cuda:0" if gpus and torch.cuda.is_available() else None  # cuda:0 = the one GPU in its view
-        self.engine = VideoEngine(VideoConfig.model_validate_json(cfg_json), model_dir, device=device)
+        self.engine, self.load_error = None, None
+        try:
+            self.engine = VideoEngine(VideoConfig.model_validate_json(cfg_json), model_dir, device=device)
+        except Exception as exc:  # noqa: BLE001 - reported by status() and run(), not a dead actor
+            logging.getLogger("chimera").exception("video job worker: the engine did not load")
+            self.load_error = f"{type(exc).__name__}: {exc}"[:2000]
+
+    def status(self) -> dict:
+        """Whether this worker's engine loaded: ``{"loaded": bool, "error": str | None}`` (``error``: the loading
+        exception as ``"<type>: <message>"``). Answers once ``__init__`` has returned, so awaiting it waits for
+        the load (the manager's watch; readiness never awaits it)."""
+        return {"loaded": self.engine is not None, "error": self.load_error}
 
     def where(self) -> dict:
         """Where this worker's engine runs: ``{"pid": int, "gpu_ids": [str] (Ray's ids of its GPUs),
-        "cuda_visible_devices": str | None, "engine_device": str (the torch device of the engine's weights)}``."""
+        "cuda_visible_devices": str | None, "engine_device": str (the torch device of the engine's weights; None
+        when the engine did not load)}``."""
         return {"pid": os.getpid(), "gpu_ids": self.gpu_ids, "cuda_visible_devices": self.visible,
-                "engine_device": str(next(self.engine.t2v.transformer.parameters()).device)}
+                "engine_device": None if self.engine is None else
+                str(next(self.engine.t2v.transformer.parameters()).device)}
 
     def run(self, job_id: str, job_dir: str, params: dict, manager) -> dict:
-        """Run one job on this worker's engine (:func:`run_video_job`; same arguments, same result)."""
+        """Run one job on this worker's engine (:func:`run_video_job`; same arguments, same result). Raises
+        EngineUnavailableError (503 ``engine_unavailable``) naming the cause when the engine did not load."""
+        if self.engine is None:
+            from grafting.llm_client import EngineUnavailableError
+
+            raise EngineUnavailableError(f"the video engine did not load: {self.load_error}")
         return run_video_job(self.engine, job_id, job_dir, params, manager, self.where())
 
 
@@ -60,7 +81,11 @@ def run_video_job(engine, job_id: str, job_dir: str, params: dict, manager, wher
 
     ``params``: ``{"request": VideoRequest dict, "image": bool, "extend": {"frames": path, ...} | None}``.
     Returns ``{"frames", "fps", "started", "finished"}`` (wall-clock seconds measured in the worker). Raises
-    NonFiniteOutputError, ValueError, OSError."""
+    NonFiniteOutputError, ValueError, OSError.
+
+    It only writes into the existing ``job_dir`` and never creates it: a job deleted meanwhile (the store renames
+    its folder away before removing it, :meth:`services.job_store.JobStore.delete`) makes every later write of
+    a worker that is still being killed fail (FileNotFoundError) instead of leaving files behind."""
     import numpy as np
     import torch
     from PIL import Image

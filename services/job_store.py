@@ -21,6 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 
 ACTIVE = ("queued", "in_progress")
+TOMBSTONE = ".deleted-"  # prefix of a job folder being removed (JobStore.delete)
 
 
 class JobStore:
@@ -117,10 +118,36 @@ class JobStore:
         return n > 0
 
     def delete(self, job_id: str) -> None:
-        """Remove the record and the job's results folder."""
+        """Remove the record and the job's results folder.
+
+        The folder is first renamed to a tombstone (``.deleted-<id>-<random>``, atomic) and then removed: a
+        killed worker still writing its next file into the job's folder gets FileNotFoundError (the worker never
+        creates the folder) instead of racing the removal and leaving a folder behind. A tombstone left by a
+        crash mid-removal is removed by :meth:`remove_tombstones`."""
+        import uuid
+
         with self.engine.begin() as c:
             c.execute(self.table.delete().where(self.table.c.id == job_id))
-        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        tomb = self.results_dir / f"{TOMBSTONE}{job_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.job_dir(job_id).rename(tomb)
+        except FileNotFoundError:  # no folder (never written, or removed already)
+            return
+        shutil.rmtree(tomb, ignore_errors=True)
+
+    def remove_tombstones(self) -> int:
+        """Remove the folders of deletions a crash interrupted (:meth:`delete`); returns how many."""
+        tombs = list(self.results_dir.glob(TOMBSTONE + "*"))
+        for t in tombs:
+            shutil.rmtree(t, ignore_errors=True)
+        return len(tombs)
+
+    def expired(self, now: float) -> list[str]:
+        """Ids of finished jobs whose ``expires_at`` is at or before ``now`` (seconds, the manager's clock)."""
+        t = self.table
+        with self.engine.connect() as c:
+            q = sa.select(t.c.id).where(t.c.expires_at.is_not(None), t.c.expires_at <= now, t.c.status.not_in(ACTIVE))
+            return [r[0] for r in c.execute(q)]
 
     def list(self, limit: int = 20, after: str | None = None, order: str = "desc",
              owner: str | None = None) -> list[dict]:

@@ -123,8 +123,17 @@ class Deployment:
             raise unwrap(exc) from None
 
     async def ready(self) -> bool:
-        """True once the job manager answers (it recovers interrupted jobs on first contact)."""
-        return bool(await self._call("ping"))
+        """True once a job worker holds its loaded engine, False while the workers load
+        (:meth:`services.job_manager.JobManager.readiness`: answered from the manager's state, never waiting on a
+        load; the manager recovers interrupted jobs on this first contact). Raises EngineUnavailableError (503
+        ``engine_unavailable``) naming the cause once every worker has failed to load its engine (after a bounded
+        number of restarts; jobs then fail with that code too)."""
+        from grafting.llm_client import EngineUnavailableError
+
+        state = await self._call("readiness")
+        if state["error"]:
+            raise EngineUnavailableError(state["error"])
+        return bool(state["ready"])
 
     @_input_errors_as_events
     async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None,

@@ -9,6 +9,7 @@ labels. The tiny cpu-profile video model runs on the CPU.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -61,6 +62,45 @@ def _section(profile, tmp_path, name: str, **jobs) -> dict:
     return sec.model_dump(mode="json")
 
 
+def _ready(dep, timeout: float = 600) -> list:
+    """Ask ``dep.ready()`` until it is True (or raises); returns every answer. ``timeout``: a ceiling on a
+    monotonic clock that only turns a hang into a failure."""
+    deadline, answers = time.monotonic() + timeout, []
+    while not (answers and answers[-1]):
+        assert time.monotonic() < deadline, f"not ready within {timeout} s"
+        answers.append(asyncio.run(dep.ready()))
+        if not answers[-1]:
+            time.sleep(0.2)
+    return answers
+
+
+def test_ready_means_a_worker_holds_its_engine(ray_cluster, profile, model_dir, tmp_path):
+    """The video deployment's ``ready`` (what ``/readyz`` asks) with a Wan checkpoint that is not there: never
+    True; False while the workers try, then EngineUnavailableError (503 ``engine_unavailable``) naming the
+    checkpoint. With the checkpoint there: True once loaded, and a job then runs."""
+    import ray
+
+    from grafting.llm_client import EngineUnavailableError
+    from services.videos import Deployment
+
+    missing = tmp_path / "no_such_wan"
+    sec = _section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}")
+    sec["engine"]["model"] = str(missing)
+    dep = Deployment(sec, str(model_dir))
+    with pytest.raises(EngineUnavailableError) as e:
+        answers = _ready(dep)
+        raise AssertionError(f"a deployment whose engine cannot load said ready: {answers}")
+    assert e.value.status_code == 503 and e.value.code == "engine_unavailable" and str(missing) in str(e.value)
+    ray.kill(dep.manager, no_restart=True)
+
+    (tmp_path / "ok").mkdir()
+    dep = Deployment(_section(profile, tmp_path / "ok", f"test-mgr-{uuid.uuid4().hex[:8]}"), str(model_dir))
+    assert _ready(dep)[-1] is True
+    job = asyncio.run(dep.create({"prompt": "a red kite", "num_inference_steps": 2}))["id"]
+    assert _wait(ray, dep.manager, job, lambda r: r["status"] in _DONE)["status"] == "completed"
+    ray.kill(dep.manager, no_restart=True)
+
+
 def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_dir, tmp_path):
     """The video deployment's manager (Deployment, outside Serve). Killed with restart (as a crash would): the
     next API call works on the restarted manager and the job that was running is failed ``interrupted``, its
@@ -71,7 +111,7 @@ def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_
     from services.videos import Deployment
 
     dep = Deployment(_section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}"), str(model_dir))
-    assert asyncio.run(dep.ready()) is True
+    _ready(dep)
     job = asyncio.run(dep.create({"prompt": "a red kite", **LONG}))["id"]
     rec = _wait(ray, dep.manager, job, lambda r: r["status"] == "in_progress" and r["progress"] > 0)
 

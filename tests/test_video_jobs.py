@@ -6,13 +6,16 @@ Ray runs with 2 logical GPUs (the ``ray_cluster`` fixture), so GPU scheduling is
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 import uuid
 
 import psutil
 import pytest
 
-from services.job_manager import JobError, JobManager
+from services.job_manager import ENGINE_LOAD_ATTEMPTS, JobError, JobManager
+from services.job_store import ACTIVE, JobStore
 from video.request import plan_request
 
 
@@ -31,8 +34,8 @@ def _no_manager_outlives_its_test(ray_cluster):
                 pass
 
 
-def _manager(ray, profile, model_dir, tmp_path, name=None, **jobs):
-    cfg = profile.video.engine.model_copy(deep=True)
+def _manager(ray, profile, model_dir, tmp_path, name=None, engine=None, **jobs):
+    cfg = profile.video.engine.model_copy(deep=True, update=engine or {})
     cfg.jobs = cfg.jobs.model_copy(update={"store_url": f"sqlite:///{tmp_path}/jobs.sqlite",
                                            "results_dir": str(tmp_path / "results"), "cpus_per_job": 0.25,
                                            **jobs})
@@ -203,3 +206,197 @@ def test_non_finite_output_fails_the_job(ray_cluster, profile, model_dir, tmp_pa
     assert "non-finite" in rec["error_message"]
     assert not (tmp_path / "results" / job / "video.mp4").exists()
     ray.kill(mgr)
+
+
+def _readiness(ray, mgr, until, timeout=600):
+    deadline = time.monotonic() + timeout  # a ceiling against a hang, not a speed requirement
+    while time.monotonic() < deadline:
+        state = ray.get(mgr.readiness.remote())
+        if until(state):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"readiness never got there: {state}")
+
+
+def test_missing_checkpoint_is_one_clear_error_not_a_restart_loop(ray_cluster, profile, model_dir, tmp_path):
+    """A Wan checkpoint that is not there: the slot's worker is started ``ENGINE_LOAD_ATTEMPTS`` times, then given
+    up; readiness says not ready and names the cause; a job queued while it tried and three jobs after it fail
+    ``engine_unavailable`` naming the checkpoint (not ``worker_died``), and no worker is started for them."""
+    ray = ray_cluster
+    missing = tmp_path / "no_such_wan"
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, engine={"model": str(missing)}, workers=1,
+                        gpus_per_job=1)
+    early = _submit(ray, mgr, cfg, num_inference_steps=2)
+    state = _readiness(ray, mgr, lambda s: s["error"] is not None)
+    assert (state["ready"], state["loaded"], state["starts"]) == (False, 0, [ENGINE_LOAD_ATTEMPTS]), state
+    assert str(missing) in state["error"], state
+    jobs = [early] + [_submit(ray, mgr, cfg, num_inference_steps=2) for _ in range(3)]
+    for job in jobs:
+        rec = _wait(ray, mgr, job, lambda r: r["status"] not in ACTIVE)
+        assert (rec["status"], rec["error_code"]) == ("failed", "engine_unavailable"), rec
+        assert str(missing) in rec["error_message"]
+    assert ray.get(mgr.readiness.remote())["starts"] == [ENGINE_LOAD_ATTEMPTS]  # no restart per job
+    ray.kill(mgr)
+
+
+def _local_manager(profile, model_dir, tmp_path, clock=time.time):
+    """A JobManager object in this process (methods awaited directly, no actor) on a store in ``tmp_path``, with
+    one worker; its job launcher is a scripted no-op (these tests are about the store, expiry and recovery, not
+    generation). Stop it with :func:`_stop` (kills its worker actor)."""
+    cfg = profile.video.engine.model_copy(deep=True)
+    cfg.jobs = cfg.jobs.model_copy(update={"store_url": f"sqlite:///{tmp_path}/jobs.sqlite",
+                                           "results_dir": str(tmp_path / "results"), "cpus_per_job": 0.25,
+                                           "workers": 1})
+    m = JobManager(cfg.model_dump(mode="json"), str(model_dir), "chimera-video", clock=clock)
+    m._launch = lambda row: None
+    return m, cfg
+
+
+def _stop(ray, m):
+    for w in m.workers:
+        ray.kill(w, no_restart=True)
+    m.store.engine.dispose()
+
+
+def _crashed_running_job(tmp_path, profile, job_id="video_running_at_crash", created_at=1.0):
+    """A store left by a service that died while ``job_id`` ran (written before any manager starts)."""
+    cfg = profile.video.engine
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.sqlite", tmp_path / "results")
+    req = plan_request(cfg, {"prompt": "a kite"}).to_dict()
+    store.job_dir(job_id).mkdir()
+    store.insert({"id": job_id, "created_at": created_at, "model": "chimera-video", "status": "in_progress",
+                  "phase": "denoising", "progress": 40, "clips_total": 1, "clips_done": 0, "prompt": "a kite",
+                  "seconds": "4.5", "size": "64x64", "params": {"request": req}})
+    store.engine.dispose()
+    return job_id
+
+
+def test_expired_jobs_are_gone_while_the_manager_lives(ray_cluster, profile, model_dir, tmp_path):
+    """One long-lived manager, an injected clock. A job whose ``expires_at`` has come is exactly like a deleted
+    one: 404 ``video_not_found`` on get, content, record and delete, not listed, record and folder removed; a
+    job that expired without anyone asking for it is swept by the next create; a job interrupted by a crash
+    (failed at recovery) expires ``ttl_s`` after it too. Jobs not yet expired are untouched."""
+    ray = ray_cluster
+    now = [2.0e9]
+    crashed = _crashed_running_job(tmp_path, profile)
+    m, cfg = _local_manager(profile, model_dir, tmp_path, clock=lambda: now[0])
+    ttl = cfg.jobs.ttl_s
+    req = plan_request(cfg, {"prompt": "a kite", "num_inference_steps": 2}).to_dict()
+    results = tmp_path / "results"
+
+    async def go():
+        a, b = [(await m.create(req))["id"] for _ in range(2)]
+        for job, done_at in ((a, now[0]), (b, now[0] + 100)):
+            m.store.update(job, status="completed", completed_at=done_at, expires_at=done_at + ttl)
+            (m.store.job_dir(job) / "video.mp4").write_bytes(b"\0" * 10)
+        assert (await m.get(crashed))["expires_at"] == int(now[0] + ttl)  # failed interrupted at recovery
+        assert (await m.content_path(a))["size"] == 10
+        now[0] += ttl  # a and the crashed job expire now, b in 100 s
+        for call in (m.get, m.content_path, m.record, m.delete, m.extension_source):
+            with pytest.raises(JobError) as info:
+                await call(a)
+            assert (info.value.status_code, info.value.code) == (404, "video_not_found"), call
+        assert m.store.get(a) is None and not (results / a).exists()
+        assert [v["id"] for v in (await m.list())["data"]] == [b]  # the crashed job is swept by the list
+        assert m.store.get(crashed) is None and not (results / crashed).exists()
+        assert (await m.get(b))["status"] == "completed"
+        now[0] += 100  # b expires; nobody asks for it
+        c = (await m.create(req))["id"]
+        assert m.store.get(b) is None and sorted(p.name for p in results.iterdir()) == [c]
+        assert await m.queue_length() == 1
+
+    try:
+        asyncio.run(go())
+    finally:
+        _stop(ray, m)
+
+
+def test_concurrent_first_calls_wait_for_one_recovery(ray_cluster, profile, model_dir, tmp_path):
+    """Two first calls at once, the first one's recovery held half-way (a scripted hold in the manager's store
+    I/O): the second reads nothing before the recovery is done, and both see the crashed job ``interrupted``."""
+    ray = ray_cluster
+    job = _crashed_running_job(tmp_path, profile)
+    m, _ = _local_manager(profile, model_dir, tmp_path)
+    real_io, calls = m._io, []
+
+    async def go():
+        hold = asyncio.Event()
+
+        async def io(fn, *args, **kwargs):
+            calls.append((fn.__name__, hold.is_set()))
+            if fn.__name__ == "with_status":
+                await hold.wait()
+            return await real_io(fn, *args, **kwargs)
+
+        m._io = io
+        first = asyncio.create_task(m.get(job))
+        while ("with_status", False) not in calls:
+            await asyncio.sleep(0)
+        second = asyncio.create_task(m.get(job))
+        for _ in range(50):  # every step the second call can take without waiting on the recovery
+            await asyncio.sleep(0)
+        hold.set()
+        return await asyncio.gather(first, second)
+
+    try:
+        got = asyncio.run(go())
+    finally:
+        _stop(ray, m)
+    assert [c for c in calls if not c[1]] == [("with_status", False)], calls  # nothing else ran before the hold
+    assert [(v["status"], v["error"]["code"]) for v in got] == [("failed", "interrupted")] * 2
+
+
+def test_recovery_that_fails_half_way_is_retried(ray_cluster, profile, model_dir, tmp_path):
+    """The first recovery's store update fails (a scripted OSError): that call raises, and the next call runs
+    the recovery again, so the crashed job ends ``interrupted`` instead of staying ``in_progress`` for good."""
+    ray = ray_cluster
+    job = _crashed_running_job(tmp_path, profile)
+    m, _ = _local_manager(profile, model_dir, tmp_path)
+    real_io, failures = m._io, [OSError("disk full")]
+
+    async def io(fn, *args, **kwargs):
+        if fn.__name__ == "update" and failures:
+            raise failures.pop()
+        return await real_io(fn, *args, **kwargs)
+
+    m._io = io
+
+    async def go():
+        with pytest.raises(OSError):
+            await m.get(job)
+        return await m.get(job)
+
+    try:
+        v = asyncio.run(go())
+    finally:
+        _stop(ray, m)
+    assert (v["status"], v["error"]["code"]) == ("failed", "interrupted")
+
+
+def test_delete_leaves_no_folder_for_a_late_writer(tmp_path, monkeypatch):
+    """A killed worker may still write into its job's folder while delete removes it. Scripted here: each file
+    the removal unlinks is followed by the worker writing its next file there. That write fails (the folder was
+    renamed away first) and nothing of the job is left in the results directory."""
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.sqlite", tmp_path / "results")
+    jd = store.job_dir("video_x")
+    jd.mkdir()
+    (jd / "input.png").write_bytes(b"png")
+    store.insert({"id": "video_x", "created_at": 1.0, "model": "m", "status": "cancelled", "phase": "denoising",
+                  "progress": 50, "clips_total": 1, "clips_done": 0, "prompt": "p", "seconds": "4", "size": "64x64",
+                  "params": {}})
+    real_unlink, late = os.unlink, []
+
+    def unlink(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        try:
+            (jd / "thumbnail.png").write_bytes(b"late")
+            late.append("written")
+        except FileNotFoundError:
+            late.append("refused")
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    store.delete("video_x")
+    monkeypatch.undo()
+    assert late == ["refused"]
+    assert store.get("video_x") is None and list((tmp_path / "results").iterdir()) == []
+    store.engine.dispose()
