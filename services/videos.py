@@ -42,7 +42,7 @@ from .errors import APIError, to_api_error, unwrap
 from .profiles import FamilySection, Profile
 
 _TERMINAL = ("completed", "failed", "cancelled")
-_READS = ("ping", "get", "list", "content_path", "record", "queue_length", "extension_source", "running",
+_READS = ("ping", "readiness", "get", "list", "content_path", "record", "queue_length", "extension_source", "running",
           "workers_where", "get_config_hash")  # asked again on a re-acquired manager; writes are not
 log = logging.getLogger("chimera")
 

@@ -436,7 +436,7 @@ def test_video_call_cancelled_by_serve_ends_as_cancelled_not_as_a_failure():
             return fail()
 
     class _Manager:
-        ping = _Method(ray.exceptions.TaskCancelledError())
+        readiness = _Method(ray.exceptions.TaskCancelledError())
         get = _Method(JobError(404, "no such video", code="video_not_found", param="video_id"))
 
     dep = object.__new__(Deployment)
