@@ -365,6 +365,7 @@ def test_extension_upload_is_probed_from_its_header_before_any_decode(tmp_path, 
 
     section = profile.video.model_dump(mode="json")
     section["engine"]["limits"].update(max_clips=1, max_frames_per_clip=5)
+    section["engine"]["defaults"]["frames_per_clip"] = 5  # a default over the limit is refused at load
     dep = object.__new__(Deployment)
     dep.section = FamilySection[VideoConfig].model_validate(section)
     dep.cfg = dep.section.engine
