@@ -23,6 +23,16 @@ class EngineUnavailableError(RuntimeError):
     param = None
 
 
+class EngineError(RuntimeError):
+    """The engine answered with something malformed (a stream line that is not JSON, a chunk without its
+    fields, a logprob token that is not an id) or failed the request itself (a 5xx other than 503): the engine's
+    fault, never the client's. HTTP 500 ``engine_error``."""
+
+    status_code = 500
+    code = "engine_error"
+    param = None
+
+
 class EngineRequestError(ValueError):
     """The engine refused the request (its 4xx): HTTP 400 with the engine's message; ``param`` when it names
     one."""
@@ -65,7 +75,7 @@ class LLMClient(Protocol):
     ``state``: ``ready`` when it can serve now, else ``starting`` | ``restarting`` | ``failed`` | ``stopped``.
     ``stream(body)``: the engine's answer to a streaming completions request body as :class:`CompletionChunk`
     (the last one carries ``completion_tokens``); closing the iterator early aborts the request in the engine;
-    raises EngineUnavailableError / EngineRequestError. ``wait_ready(timeout)``: block until ``ready`` (True) or
+    raises EngineUnavailableError / EngineRequestError / EngineError. ``wait_ready(timeout)``: block until ``ready`` (True) or
     ``failed``/``stopped``/``timeout`` seconds (False). ``close()``: release the engine (its process stops);
     idempotent.
     """

@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from grafting.llm_client import EngineError
+
 from . import metrics
 from .app import check_model, json_object
 from .backends import Backend
@@ -40,7 +42,9 @@ class Deployment:
     ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
     Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead.
     Both backends yield the same events. An engine failure (the vLLM process died or is restarting) raises
-    EngineUnavailableError (HTTP 503 ``engine_unavailable``; mid-stream an SSE error event).
+    EngineUnavailableError (HTTP 503 ``engine_unavailable``; mid-stream an SSE error event); a malformed answer
+    from the engine, or any other ValueError that is not an input error (:func:`is_input_error`), raises
+    EngineError (HTTP 500 ``engine_error``), never a 400.
     Closing the generator (client gone) drops the request from the batch before the next decode step (vllm:
     closes the HTTP stream, which aborts the request there).
     """
@@ -134,6 +138,8 @@ class Deployment:
                                             request.get("logprobs"), request.get("top_logprobs"))
             response_format = engine.response_format(request.get("response_format"))
         except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
+            if not is_input_error(exc):  # any other ValueError is ours, not the client's (to_api_error: 400)
+                raise engine_fault(exc) from exc
             yield input_error_event(exc)
             return
         async for ev in self._events(prompt, params, response_format):
@@ -145,14 +151,15 @@ class Deployment:
         event like ours; an unavailable engine raises. Closing this generator (the client went away) closes the
         generation: the transformers batcher drops the row, vLLM aborts the request."""
         from grafting.collapse_guard import GuardReport
-        from grafting.llm_client import EngineRequestError
 
         report = GuardReport()
         gen = self._guarded(prompt, params, response_format, report)
         try:
             try:
                 d = await gen.__anext__()
-            except (EngineRequestError, ValueError) as exc:
+            except ValueError as exc:
+                if not is_input_error(exc):
+                    raise engine_fault(exc) from exc
                 yield input_error_event(exc)
                 return
             yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
@@ -166,7 +173,12 @@ class Deployment:
                     yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
                            **self._end_extras(report)}
                     return
-                d = await gen.__anext__()
+                try:
+                    d = await gen.__anext__()
+                except ValueError as exc:
+                    if not is_input_error(exc):
+                        raise engine_fault(exc) from exc
+                    raise
         finally:
             await gen.aclose()
 
@@ -225,6 +237,20 @@ def _replica_name() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not inside a Serve replica (LocalBackend: tests, notebooks)
         return f"pid{os.getpid()}"
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """True for the errors the chat path answers as the client's fault (4xx): ValueErrors carrying a 4xx
+    ``status_code`` (``PromptError``: a malformed conversation, ``ImageInputError``: a bad image,
+    ``EngineRequestError``: a request vLLM refused with a 400, e.g. a schema it cannot compile)."""
+    status = getattr(exc, "status_code", None)
+    return isinstance(exc, ValueError) and isinstance(status, int) and 400 <= status < 500
+
+
+def engine_fault(exc: ValueError) -> Exception:
+    """A ValueError from the engine's side that is not an input error (:func:`is_input_error`) as the engine's
+    fault: :class:`grafting.llm_client.EngineError` (HTTP 500 ``engine_error``), never a 400 blaming the client."""
+    return EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
 
 
 def input_error_event(exc: Exception) -> dict:

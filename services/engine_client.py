@@ -11,21 +11,28 @@ by possibly ambiguous text), ``stop_token_ids``, ``structured_outputs`` (vLLM's 
 ``json`` schema or ``json_object``, with options such as ``disable_any_whitespace``). Closing the stream early
 closes the HTTP connection, which makes vLLM abort the request.
 
+Connections: one pooled ``httpx.AsyncClient`` per :class:`VLLMClient` (one per engine, so one per replica), kept
+alive between completions (at most ``max_connections``); a stream closed before its end closes its connection
+(HTTP/1.1 cannot reuse it mid-response), which is what aborts the request in vLLM. See :class:`VLLMClient`.
+
 Errors (declared in ``grafting/llm_client.py``, where the engine catches them): EngineUnavailableError (HTTP 503,
-code ``engine_unavailable``: the engine cannot be reached or dropped the connection mid-request, e.g. its process
-died) and EngineRequestError (the engine refused the request with a 4xx: e.g. a JSON schema its grammar compiler
-cannot handle; HTTP 400).
+code ``engine_unavailable``: the engine cannot be reached, dropped the connection mid-request, e.g. its process
+died, or answered 503), EngineRequestError (the engine refused the request with a 400: e.g. a JSON schema its
+grammar compiler cannot handle; HTTP 400) and EngineError (HTTP 500 ``engine_error``: any other status from the
+engine, a mid-stream error that is not a 4xx, or a malformed stream: a line that is not JSON, a chunk missing its
+fields, a logprob token that is not an id).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from grafting.llm_client import CompletionChunk, EngineRequestError, EngineUnavailableError, TokenLogprob
+from grafting.llm_client import CompletionChunk, EngineError, EngineRequestError, EngineUnavailableError, TokenLogprob
 
 from .engine_process import ServerProcess
 
@@ -34,8 +41,8 @@ TOKEN_ID_PREFIX = "token_id:"
 
 def _token_id(s: str) -> int:
     if not s.startswith(TOKEN_ID_PREFIX):
-        raise EngineUnavailableError(f"engine returned a logprob token {s!r} that is not an id")
-    return int(s[len(TOKEN_ID_PREFIX):])
+        raise EngineError(f"engine returned a logprob token {s!r} that is not an id")
+    return int(s[len(TOKEN_ID_PREFIX):])  # a ValueError for "token_id:x": the caller makes it an EngineError
 
 
 def parse_logprobs(lp: dict[str, Any] | None, k: int) -> list[TokenLogprob] | None:
@@ -60,17 +67,75 @@ def _error_message(raw: bytes | str) -> tuple[str, str | None]:
         return (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)[:2000], None
 
 
+def _refusal(status: int, raw: bytes | str) -> Exception:
+    """The error for an engine's HTTP error ``status`` with body ``raw``: 400 is a refusal of the request
+    (EngineRequestError), 503 EngineUnavailableError, anything else the engine's fault (EngineError)."""
+    msg, param = _error_message(raw)
+    if status == 400:
+        return EngineRequestError(msg, param)
+    if status == 503:
+        return EngineUnavailableError(f"engine unavailable ({status}): {msg}")
+    return EngineError(f"engine error {status}: {msg}")
+
+
+def _chunks(data: str, k: int) -> list[CompletionChunk]:
+    """One SSE ``data`` payload of vLLM's completions stream -> its chunks (``k``: top logprobs asked). Raises
+    EngineRequestError / EngineUnavailableError / EngineError for an error object (by its ``code``: see
+    :func:`_refusal`), EngineError for a payload that is not such a JSON object."""
+    try:
+        obj = json.loads(data)
+        if "error" in obj:  # after the 200: a request it refuses late (4xx code), or a failure
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            raise _refusal(code if isinstance(code, int) and code in (400, 503) else 500, data)
+        out = [CompletionChunk(c.get("text") or "", list(c.get("token_ids") or []),
+                               parse_logprobs(c.get("logprobs"), k), c.get("finish_reason"))
+               for c in obj.get("choices") or []]
+        usage = obj.get("usage")
+        if usage and not obj.get("choices"):
+            out.append(CompletionChunk("", [], None, None, int(usage["completion_tokens"])))
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        if isinstance(exc, EngineRequestError):
+            raise
+        raise EngineError(f"the language-model engine sent a malformed stream line ({type(exc).__name__}): "
+                          f"{data[:200]!r}") from None
+
+
+async def _closes_with_loop(pool: httpx.AsyncClient) -> AsyncIterator[None]:
+    """A suspended async generator that closes ``pool`` when it is closed: ``asyncio.run`` (and
+    ``loop.shutdown_asyncgens()``) closes every unfinished async generator of a loop before the loop ends, so a pool
+    never outlives its loop with open sockets."""
+    try:
+        yield
+    finally:
+        await pool.aclose()
+
+
 class VLLMClient:
     """Async client of the ``/v1/completions`` of the vLLM server that ``server`` supervises (see the module
     docstring); reads the server's address per request (it moves after a failed start).
 
     ``stream(body)`` yields :class:`CompletionChunk` until the engine's ``[DONE]``; raises
-    EngineUnavailableError / EngineRequestError. ``timeout_s`` bounds connecting and each read (seconds).
-    ``state`` and ``wait_ready`` are the server's; ``close()`` stops it."""
+    EngineUnavailableError / EngineRequestError / EngineError. ``timeout_s`` bounds connecting and each read
+    (seconds). ``state`` and ``wait_ready`` are the server's; ``close()`` stops it and closes the pool.
 
-    def __init__(self, server: ServerProcess, timeout_s: float = 600.0):
+    Completions share one ``httpx.AsyncClient`` (a keep-alive pool of at most ``max_connections`` connections,
+    all of them kept alive when idle; a request beyond that waits for a free one, as it would wait in vLLM's
+    queue: size it at least the deployment's ``max_ongoing_requests``). An ``httpx.AsyncClient`` belongs to the
+    event loop it was first used on (a replica has one for its life); a call from another loop (a test's or bench's
+    next ``asyncio.run``) gets a new pool; the old one is closed when its loop shuts down (``asyncio.run``'s end:
+    :func:`_closes_with_loop`), or at once on its loop if that still runs in another thread. ``aclose()`` closes
+    the pool (the server keeps running)."""
+
+    def __init__(self, server: ServerProcess, timeout_s: float = 600.0, max_connections: int = 64):
         self.server = server
-        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self.timeout = httpx.Timeout(timeout_s, connect=5.0, pool=None)
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._pool: httpx.AsyncClient | None = None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self.pools_opened = 0  # pools made so far (one per event loop used): for tests and benches
+        self._pool_guard: AsyncIterator[None] | None = None  # closes the pool when its loop shuts down
 
     @property
     def base_url(self) -> str:
@@ -86,41 +151,65 @@ class VLLMClient:
         """Block until the server is ready (True) or failed/stopped/``timeout`` seconds (False)."""
         return self.server.wait_ready(timeout)
 
+    async def _client(self) -> httpx.AsyncClient:
+        """The pool of the running event loop (made on first use; see the class docstring)."""
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool_loop is not loop:
+            self._drop_pool()
+            self._pool = httpx.AsyncClient(timeout=self.timeout, limits=self.limits)
+            self._pool_loop = loop
+            self.pools_opened += 1
+            self._pool_guard = _closes_with_loop(self._pool)
+            await self._pool_guard.__anext__()
+        return self._pool
+
+    def _drop_pool(self) -> None:
+        """Forget the pool; close it on its own loop when that loop runs in another thread (else it ended with
+        its loop, or the caller is on it and awaits :meth:`aclose`)."""
+        pool, loop, self._pool, self._pool_loop = self._pool, self._pool_loop, None, None
+        if pool is None or loop is None or loop.is_closed() or not loop.is_running():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.create_task(pool.aclose())
+        else:
+            asyncio.run_coroutine_threadsafe(pool.aclose(), loop)
+
+    async def aclose(self) -> None:
+        """Close the connection pool (idempotent; a later request opens a new one). The server keeps running."""
+        pool, loop = self._pool, self._pool_loop
+        if pool is not None and loop is asyncio.get_running_loop():
+            self._pool = self._pool_loop = None
+            await pool.aclose()
+        else:
+            self._drop_pool()
+
     def close(self) -> None:
-        """Stop the server and its supervision (idempotent)."""
+        """Stop the server and its supervision and close the pool (idempotent)."""
+        self._drop_pool()
         self.server.stop()
 
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]:
         """Stream one completion of a streaming ``/v1/completions`` request ``body`` (see the class docstring)."""
         k = body.get("logprobs") or 0
         try:
-            async with httpx.AsyncClient(timeout=self.timeout) as client:
-                async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
-                    if r.status_code >= 400:
-                        raw = await r.aread()
-                        msg, param = _error_message(raw)
-                        if 400 <= r.status_code < 500:
-                            raise EngineRequestError(msg, param)
-                        raise EngineUnavailableError(f"engine error {r.status_code}: {msg}")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            return
-                        obj = json.loads(data)
-                        if "error" in obj:  # after the 200: a request it refuses late (4xx code), or a failure
-                            msg, param = _error_message(data)
-                            code = obj["error"].get("code") if isinstance(obj["error"], dict) else None
-                            if isinstance(code, int) and 400 <= code < 500:
-                                raise EngineRequestError(msg, param)
-                            raise EngineUnavailableError(f"engine failed mid-request: {msg}")
-                        usage = obj.get("usage")
-                        for c in obj.get("choices") or []:
-                            yield CompletionChunk(c.get("text") or "", list(c.get("token_ids") or []),
-                                                  parse_logprobs(c.get("logprobs"), k), c.get("finish_reason"))
-                        if usage and not obj.get("choices"):
-                            yield CompletionChunk("", [], None, None, int(usage["completion_tokens"]))
+            client = await self._client()
+            async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
+                if r.status_code >= 400:
+                    raise _refusal(r.status_code, await r.aread())
+                done = False
+                async for line in r.aiter_lines():  # read to the end after [DONE]: only a whole response
+                    if done or not line.startswith("data: "):  # lets the connection go back to the pool
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    for chunk in _chunks(data, k):
+                        yield chunk
         except httpx.HTTPError as exc:  # refused, reset, or cut mid-stream: the engine process is not serving
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
