@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import signal
 import time
 
@@ -165,12 +166,17 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM; either stops it in a few
     seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0.
 
+    "Chimera is serving ..." is printed once ``GET /readyz`` answers 200 (every model loaded); until then a line
+    names the models still loading whenever that list changes.
+
     First the memory plan is checked (``services.memory_plan.check``): a profile that does not fit its GPUs is
     refused with the numbers (exit 2). With ``--address`` the application is deployed on that cluster and, on
     stop, only it is deleted (the cluster and its other applications keep running)."""
     from .memory_plan import PlanError, check, uses_gpus
+    from .readiness import wait_ready
     from .serve_app import APP_NAME, init_ray, run, stop
 
+    t0 = time.monotonic()
     logging.basicConfig(level=logging.INFO)
     prof = _load(profile)
     if address:
@@ -205,7 +211,10 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             signal.signal(s, _raise_stop)
         signal.pthread_sigmask(signal.SIG_SETMASK, prev_mask)
         url = run(prof, host, port)
-        typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (Ctrl-C to stop)")
+        typer.echo(f"Chimera is starting at {url}: waiting for GET /readyz (Ctrl-C to stop)")
+        wait_ready(_local_url(url), math.inf, poll_s=1.0, progress=_report_loading)
+        typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (ready {time.monotonic() - t0:.0f} s "
+                   "after start; Ctrl-C to stop)")
         while True:
             signal.pause()
     except _Stop:
@@ -215,6 +224,16 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             _leave_cluster(APP_NAME)
         else:
             stop()
+
+
+def _local_url(url: str) -> str:
+    """``url`` with a wildcard bind address (``0.0.0.0``, ``::``) replaced by the loopback one, to reach it here."""
+    return url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://:::", "://127.0.0.1:")
+
+
+def _report_loading(loading: list[str]) -> None:
+    """Progress line of ``chimera serve``'s start-up: the models ``/readyz`` still reports loading."""
+    typer.echo(f"  still loading: {', '.join(loading)}" if loading else "  waiting for the HTTP proxy to answer")
 
 
 def _leave_cluster(app_name: str) -> None:

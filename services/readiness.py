@@ -59,23 +59,33 @@ class ReadyStates:
 
 
 def wait_ready(base_url: str, ceiling_s: float, alive: Callable[[], bool] | None = None,
-               poll_s: float = 0.5) -> float:
+               poll_s: float = 0.5, progress: Callable[[list[str]], None] | None = None) -> float:
     """Poll ``{base_url}/readyz`` until it answers 200; returns the seconds waited (time.monotonic, so a
     wall-clock step cannot cut it short).
 
     ``ceiling_s`` only turns a hang into a failure: it is set far above a slow machine's start-up (loading three
-    model families and vLLM takes 1-3 minutes on 2 busy cores). ``alive``: called each poll; when it returns
-    False (the service process exited) waiting stops at once. Each poll may take 5 s (a busy replica).
+    model families and vLLM takes 1-3 minutes on 2 busy cores); ``math.inf`` waits for as long as it takes.
+    ``alive``: called each poll; when it returns False (the service process exited) waiting stops at once.
+    ``progress``: called with the model ids still loading (from the 503 body, ``[]`` while nothing answers)
+    each time that list changes. Each poll may take 5 s (a busy replica).
     Raises RuntimeError("exited before ready" / "not ready after N s")."""
-    t0 = time.monotonic()
+    t0, last = time.monotonic(), None
     while True:
         if alive is not None and not alive():
             raise RuntimeError(f"service at {base_url} exited before it was ready")
+        loading: list[str] = []
         try:
-            if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
+            r = httpx.get(f"{base_url}/readyz", timeout=5)
+            if r.status_code == 200:
                 return time.monotonic() - t0
-        except httpx.HTTPError:
+            models = r.json().get("models", {}) if r.headers.get("content-type", "").startswith(
+                "application/json") else {}
+            loading = sorted(m for m, state in models.items() if state != "ready")
+        except (httpx.HTTPError, ValueError, AttributeError):
             pass
+        if progress is not None and loading != last:
+            progress(loading)
+            last = loading
         if time.monotonic() - t0 > ceiling_s:
             raise RuntimeError(f"service at {base_url} not ready after {ceiling_s:.0f} s")
         time.sleep(poll_s)

@@ -7,6 +7,7 @@ options and passes their handles to the ingress, whose FastAPI app is built at r
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -15,6 +16,8 @@ from ray import serve
 from .app import build_app, family_module
 from .backends import RayBackend
 from .profiles import DeploymentOptions, Profile
+
+log = logging.getLogger("chimera")
 
 APP_NAME = "chimera"
 PROXY_CALLBACK = "services.edge:proxy_middlewares"
@@ -98,11 +101,18 @@ def run(profile: Profile, host: str | None = None, port: int | None = None, bloc
 
 def stop() -> None:
     """Stop the service: delete the application (each replica finishes its in-flight requests first, see
-    ``DRAIN_POLL_S``; the VLM replica then stops its batcher thread), stop Serve's controller and proxies, and
-    disconnect from Ray, which also stops the local Ray that :func:`init_ray` started (its raylet ends every
+    ``DRAIN_POLL_S``; the VLM replica then stops its batcher thread), then disconnect from Ray, which also stops
+    the local Ray (Serve's controller and proxies with it) that :func:`init_ray` started (its raylet ends every
     worker process). Does nothing when Ray is not initialised; idempotent."""
     import ray
 
     if ray.is_initialized():
-        serve.shutdown()
+        # Delete the application (replicas drain and stop their engines), then end the local Ray. Not
+        # serve.shutdown(): its controller call graceful_shutdown never returns (the controller ray.kills itself
+        # at its end, and the raylet logs the retried task as failed) and it waits out the proxies' drain, seconds
+        # for nothing here, since ray.shutdown() ends the controller and proxies with the rest of the local Ray.
+        try:
+            serve.delete(APP_NAME)
+        except Exception:  # noqa: BLE001 - no Serve running (never deployed): nothing to delete
+            log.debug("serve.delete(%s) at stop", APP_NAME, exc_info=True)
         ray.shutdown()
