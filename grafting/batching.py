@@ -95,6 +95,7 @@ class ContinuousBatcher:
         self.max_batch_size = max_batch_size
         self.max_batch_seen = 0
         self.active = 0  # rows in the running batch (read by servers for stats)
+        self.generated_tokens = 0  # tokens sampled since start, all requests (read by servers for stats)
         self._queue: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # orders submit() against close(): nothing is queued after the final drain
@@ -168,6 +169,7 @@ class ContinuousBatcher:
                 except Exception as exc:  # noqa: BLE001 - e.g. non-finite logits: that request fails
                     _safe_emit(slot.emit, exc)
                     continue
+                self.generated_tokens += 1
                 if not _safe_emit(slot.emit, delta) and slot.state.cancel is not None:
                     slot.state.cancel.set()  # nobody is listening any more
                 if not slot.state.finished:

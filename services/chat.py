@@ -90,21 +90,23 @@ class Deployment:
             raise RuntimeError(f"the vLLM server failed: {self.server.last_error}")
 
     async def stats(self) -> dict:
-        """Backend state: ``backend``; transformers: ``active`` rows being decoded now, ``max_batch_seen`` since
-        start; vllm: ``active`` requests vLLM holds (running + waiting, from its ``/metrics``; None while the
-        engine is down), ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""
+        """Backend state: ``backend``; ``generated_tokens``, tokens generated since start over all requests (the
+        work done; None while the engine is down); transformers: ``active`` rows being decoded now,
+        ``max_batch_seen`` since start; vllm: ``active`` requests vLLM holds (running + waiting, from its
+        ``/metrics``; None while the engine is down), ``engine_state``, ``engine_pid`` (vLLM's API server process),
+        ``engine_restarts``."""
         if self.batcher is not None:
             return {"backend": "transformers", "active": self.batcher.active,
-                    "max_batch_seen": self.batcher.max_batch_seen}
+                    "max_batch_seen": self.batcher.max_batch_seen, "generated_tokens": self.batcher.generated_tokens}
         from grafting.llm_client import EngineUnavailableError
 
         server = self.server
         try:
-            active = await self.llm_client.requests_in_engine()
+            active, generated = await self.llm_client.requests_in_engine(), await self.llm_client.generated_tokens()
         except EngineUnavailableError:
-            active = None
-        return {"backend": "vllm", "active": active, "engine_state": server.state, "engine_pid": server.server_pid,
-                "engine_restarts": server.restarts}
+            active = generated = None
+        return {"backend": "vllm", "active": active, "generated_tokens": generated, "engine_state": server.state,
+                "engine_pid": server.server_pid, "engine_restarts": server.restarts}
 
     def __del__(self):
         """Replica shutdown (Ray Serve calls this once in-flight requests are done): release the engine and stop

@@ -214,10 +214,9 @@ class VLLMClient:
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
 
-    async def requests_in_engine(self) -> int:
-        """Requests vLLM holds now (running + waiting), read from its Prometheus ``/metrics``
-        (``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, summed over label sets). Raises
-        EngineUnavailableError when the server does not answer."""
+    async def engine_metric(self, *names: str) -> float:
+        """The sum of vLLM's Prometheus ``/metrics`` samples named ``names`` (over every label set), e.g.
+        ``vllm:generation_tokens_total``. Raises EngineUnavailableError when the server does not answer."""
         try:
             async with httpx.AsyncClient(timeout=10.0) as client:
                 text = (await client.get(f"{self.base_url}/metrics")).text
@@ -227,9 +226,19 @@ class VLLMClient:
         total = 0.0
         for line in text.splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            if name in names:
                 total += float(line.rsplit(" ", 1)[1])
-        return int(total)
+        return total
+
+    async def requests_in_engine(self) -> int:
+        """Requests vLLM holds now (running + waiting: ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``).
+        Raises EngineUnavailableError when the server does not answer."""
+        return int(await self.engine_metric("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+    async def generated_tokens(self) -> int:
+        """Tokens vLLM has generated since it started, all requests (``vllm:generation_tokens_total``): the work
+        done, which a cancellation test compares. Raises EngineUnavailableError when the server does not answer."""
+        return int(await self.engine_metric("vllm:generation_tokens_total"))
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 within 2 s."""

@@ -141,8 +141,19 @@ def test_client_timeout_header_is_stripped(serve_url):
 
 
 def test_stream_disconnect_frees_the_model(serve_url, openai_client, ray_cluster):
-    body = {"messages": [{"role": "user", "content": "Write a very long essay about the sea."}],
-            "max_tokens": 500, "temperature": 1.0, "stream": True}
+    """A client that drops a stream after 3 chunks stops the generation: by work done, not time. The same greedy
+    request run whole first gives the answer's length; the abandoned one must have generated fewer tokens (the
+    engine's own counter, ``stats()["generated_tokens"]``) once the engine holds no request. If the disconnect
+    did not reach the engine, the abandoned request would generate the whole answer and the test fails."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("vlm", app_name="chimera")
+    messages = [{"role": "user", "content": "Write a very long essay about the sea."}]
+    whole = openai_client.chat.completions.create(model="chimera-vlm", messages=messages, max_tokens=200,
+                                                  temperature=0)
+    assert whole.usage.completion_tokens >= 50, whole.usage  # long enough that 3 chunks are a small part of it
+    before = handle.stats.remote().result()["generated_tokens"]
+    body = {"messages": messages, "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{serve_url}/v1/chat/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         got = 0
@@ -151,15 +162,13 @@ def test_stream_disconnect_frees_the_model(serve_url, openai_client, ray_cluster
                 got += 1
             if got == 3:
                 break
-    # By state, not by time: the abandoned 500-token stream leaves the batch (a 600 s ceiling only turns a hang
-    # into a failure), then the replica still answers.
-    from ray import serve
-
-    handle = serve.get_deployment_handle("vlm", app_name="chimera")
+    # the abandoned stream leaves the engine (a 600 s ceiling only turns a hang into a failure)
     deadline = time.monotonic() + 600
     while handle.stats.remote().result()["active"] != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert handle.stats.remote().result()["active"] == 0
+    stats = handle.stats.remote().result()
+    assert stats["active"] == 0
+    assert 2 <= stats["generated_tokens"] - before < whole.usage.completion_tokens, (stats, before, whole.usage)
     r = openai_client.chat.completions.create(model="chimera-vlm", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert r.choices[0].message.content is not None
     metrics = httpx.get(f"{serve_url}/metrics").text
