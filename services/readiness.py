@@ -54,7 +54,8 @@ class ReadyStates:
             if task is None or task.done() or task.get_loop() is not loop:
                 task = self._inflight[fam] = loop.create_task(self._probe(fam))
             tasks.append(task)
-        await asyncio.wait(tasks, timeout=self.wait_s)  # neither its timeout nor our cancellation cancels them
+        if tasks:  # a profile with no model family (an ingress only) is ready at once
+            await asyncio.wait(tasks, timeout=self.wait_s)  # neither its timeout nor our cancellation cancels them
         return dict(self.states)
 
 

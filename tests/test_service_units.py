@@ -77,6 +77,21 @@ def test_auth_required_on_v1_but_not_on_health(profile):
     asyncio.run(go())
 
 
+def test_readyz_of_a_profile_without_model_families_is_200(profile):
+    """An ingress-only profile (``chimera serve --address`` onto a cluster, as tests/test_cluster_config.py does)
+    is ready at once: no family to probe (before, /readyz raised: asyncio.wait of no task)."""
+    data = profile.model_dump(mode="json")
+    data["vlm"] = data["video"] = data["tts"] = None
+    app = build_app(parse_profile(data), {})
+
+    async def go():
+        async with _client(app) as c:
+            r = await c.get("/readyz")
+            assert r.status_code == 200 and r.json() == {"status": "ready", "models": {}}
+
+    asyncio.run(go())
+
+
 def test_readyz_503_while_a_model_loads(profile):
     class Loading:
         async def ready(self):
