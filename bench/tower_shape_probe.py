@@ -1,10 +1,10 @@
 """Is the varied-scene data learnable, and how far is the cpu profile's MoonViT tower from it? (issue 15)
 
-Trains two classifiers side by side, on the same batches of :mod:`grafting.scenes` training renderings, for the
+Trains two classifiers side by side, on the same batches of :mod:`grafting.train.scenes` training renderings, for the
 same steps with the same optimiser (AdamW, 5% warmup, cosine):
 
 1. the cpu profile's tower: the shipped small MoonViT (``grafting/assets/cpu_shapes/tower``, 1.35M parameters,
-   patch 14) with :class:`grafting.pretrain_tower.TowerClassifier`'s heads, exactly as ``chimera graft
+   patch 14) with :class:`grafting.train.pretrain.TowerClassifier`'s heads, exactly as ``chimera graft
    pretrain-tower --source scenes --init grafting/assets/cpu_shapes/tower`` trains it;
 2. a reference: a plain 6-layer CNN (3x3 convolutions, BatchNorm, GELU, 0.44M parameters at width 32) with
    the same heads on the mean of its 8x8 feature map. It is a yardstick for the data, not a tower: the graft
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel, get_cosine_schedule_with_warmup
 
-from grafting import scenes as sc
-from grafting.pretrain_tower import TowerClassifier
+from grafting.train import scenes as sc
+from grafting.train.pretrain import TowerClassifier
 
 HEADS = sc.TOWER_HEADS
 TOWER = "grafting/assets/cpu_shapes/tower"
@@ -41,7 +41,7 @@ TOWER = "grafting/assets/cpu_shapes/tower"
 
 class ReferenceCNN(nn.Module):
     """Six 3x3 conv blocks (strides 2, 1, 2, 1, 2, 1; widths w, w, 2w, 2w, 4w, 4w), pooled to an 8x8 map, one more
-    block, then one linear head per :data:`grafting.scenes.TOWER_HEADS` on the map's mean.
+    block, then one linear head per :data:`grafting.train.scenes.TOWER_HEADS` on the map's mean.
 
     forward(images ``(B, 3, H, W)`` float in [-1, 1]) -> ``{head: (B, classes)}`` logits."""
 

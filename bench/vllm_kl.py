@@ -22,7 +22,7 @@ from PIL import Image
 from skimage import data
 
 from grafting.engine import VLMEngine
-from grafting.synth import render, sample_scene
+from grafting.train.synth import render, sample_scene
 from services.profiles import load_profile
 from services.vllm_server import start_vllm_for
 

@@ -2,7 +2,7 @@
 
 ``chimera prepare [--profile cpu]`` builds the profile's model directory once (idempotent);
 ``chimera serve [--profile cpu]`` starts Ray Serve with the whole application;
-``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/cli.py``).
+``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/train/cli.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import typer
 
-from grafting.cli import graft_app
+from grafting.train.cli import graft_app
 
 from .profiles import ProfileError, load_profile
 

@@ -20,7 +20,7 @@ def write_tiny_graft(root: Path, model_dir: Path) -> dict[str, Path]:
     from transformers import Kimi_K25ImageProcessor, LlamaConfig, LlamaForCausalLM
 
     from grafting.build import smollm2_tokenizer
-    from grafting.synth import write_dataset
+    from grafting.train.synth import write_dataset
     from grafting.tower import build_random_tower, build_tower_config
 
     tok = smollm2_tokenizer(model_dir)
@@ -39,8 +39,8 @@ def write_tiny_graft(root: Path, model_dir: Path) -> dict[str, Path]:
 
 
 def train_config(dirs: dict[str, Path], out: Path, steps=(3, 3), **overrides):
-    """A :class:`~grafting.train.TrainConfig` on the tiny models: captions then QA, fp32, batch 4."""
-    from grafting.train import TrainConfig
+    """A :class:`~grafting.train.loop.TrainConfig` on the tiny models: captions then QA, fp32, batch 4."""
+    from grafting.train.loop import TrainConfig
 
     data = {"output_dir": str(out),
             "model": {"tower": str(dirs["tower"]), "llm": str(dirs["llm"]), "image_tokens": IMAGE_TOKENS,

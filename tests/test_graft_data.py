@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from grafting.synth import HELD_OUT_PAIRS, DRAW, answer_choices, render, sample_scene, write_dataset
+from grafting.train.synth import HELD_OUT_PAIRS, DRAW, answer_choices, render, sample_scene, write_dataset
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_render_is_seeded_and_draws_the_colour():
 
 
 def test_labels_cover_every_assistant_turn_and_nothing_else(processor, synth):
-    from grafting.data import IGNORE, ConversationDataset, read_jsonl
+    from grafting.train.data import IGNORE, ConversationDataset, read_jsonl
 
     rows = read_jsonl(synth["qa"])
     enc = ConversationDataset(rows, processor)[0]
@@ -83,7 +83,7 @@ def test_labels_cover_every_assistant_turn_and_nothing_else(processor, synth):
 
 
 def test_collate_pads_right_and_keeps_image_order(processor, synth):
-    from grafting.data import IGNORE, ConversationDataset, collate, read_jsonl
+    from grafting.train.data import IGNORE, ConversationDataset, collate, read_jsonl
 
     ds = ConversationDataset(read_jsonl(synth["captions"])[:2] + read_jsonl(synth["qa"])[:1], processor)
     items = [ds[i] for i in range(3)]
@@ -98,7 +98,7 @@ def test_collate_pads_right_and_keeps_image_order(processor, synth):
 
 
 def test_text_only_rows_and_bad_rows(processor, tmp_path):
-    from grafting.data import ConversationDataset, read_jsonl, to_messages
+    from grafting.train.data import ConversationDataset, read_jsonl, to_messages
 
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"conversations": [{"from": "system", "value": "Be brief."},
@@ -123,7 +123,7 @@ def _png_b64(colour) -> str:
 
 
 def test_mmstar_and_mmmu_pro_readers(tmp_path):
-    from grafting.mcq import read_items
+    from grafting.train.mcq import read_items
 
     tsv = tmp_path / "MMStar.tsv"
     header = "index\tquestion\tanswer\tcategory\tl2-category\tA\tB\tC\tD\timage\n"

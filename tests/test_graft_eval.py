@@ -13,8 +13,8 @@ from tests.graft_fixtures import train_config, write_tiny_graft
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, model_dir):
-    from grafting.mcq import synth_items
-    from grafting.train import load_graft
+    from grafting.train.mcq import synth_items
+    from grafting.train.loop import load_graft
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tiny_eval")
@@ -45,7 +45,7 @@ def choice_score_tolerance(num_tokens: int, max_abs_logit: float, seq_len: int, 
 
 
 def test_choice_scores_equal_full_sequence_logprobs(tiny):
-    from grafting.evaluate import choice_logprobs
+    from grafting.train.evaluate import choice_logprobs
 
     vlm, proc, items = tiny
     it = next(i for i in items if i.question_type == "position")  # multi-token choices ("Top left.")
@@ -67,7 +67,7 @@ def test_choice_scores_equal_full_sequence_logprobs(tiny):
 
 
 def test_blind_shuffled_and_sharded_predictions(tiny):
-    from grafting.evaluate import choice_logprobs, derangement, predict, summarize
+    from grafting.train.evaluate import choice_logprobs, derangement, predict, summarize
 
     vlm, proc, items = tiny
     items = items[:12]  # 4-5 questions per image
@@ -95,7 +95,7 @@ def test_text_only_kl_is_exactly_zero_for_the_cpu_graft(profile, model_dir):
     from transformers import AutoModelForCausalLM
 
     from grafting.engine import VLMEngine
-    from grafting.evaluate import TEXT_PROMPTS, text_kl
+    from grafting.train.evaluate import TEXT_PROMPTS, text_kl
 
     torch.set_num_threads(1)
     eng = VLMEngine.from_config(profile.vlm.engine, model_dir)

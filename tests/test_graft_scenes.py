@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from grafting import scenes as sc
-from grafting.freeform import one_word, read_answer, score_generated
-from grafting.report import varied_table
+from grafting.train import scenes as sc
+from grafting.train.freeform import one_word, read_answer, score_generated
+from grafting.train.report import varied_table
 
 
 SLOTS = {"c": "colou?r", "obj": "[a-z]+", "objs": "[a-z]+", "attr": "(?:a )?[a-z]+"}
@@ -143,7 +143,7 @@ def test_varied_table_prints_every_row():
 
 def test_tower_pretraining_on_scenes_runs_its_heads(tmp_path):
     from grafting.config import TowerBuild
-    from grafting.pretrain_tower import PretrainTowerConfig, pretrain_tower
+    from grafting.train.pretrain import PretrainTowerConfig, pretrain_tower
 
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                intermediate_size=64, pos_emb_height=16, pos_emb_width=16),
@@ -169,7 +169,7 @@ def test_token_targets_mark_the_cells_an_object_covers():
 
 def test_tower_pretraining_with_token_targets_reports_token_accuracy(tmp_path):
     from grafting.config import TowerBuild
-    from grafting.pretrain_tower import TOKEN_HEADS, PretrainTowerConfig, pretrain_tower
+    from grafting.train.pretrain import TOKEN_HEADS, PretrainTowerConfig, pretrain_tower
 
     tiny = TowerBuild(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                       pos_emb_height=16, pos_emb_width=16)
@@ -183,7 +183,7 @@ def test_tower_pretraining_with_token_targets_reports_token_accuracy(tmp_path):
 
 
 def test_plateau_step_finds_where_a_curve_flattens():
-    from grafting.report import plateau_step, smoothed
+    from grafting.train.report import plateau_step, smoothed
 
     assert smoothed([4.0, 2.0, 0.0], window=2) == [4.0, 3.0, 1.0]
     curve = [1.0 / (1 + i) for i in range(100)] + [0.01] * 200

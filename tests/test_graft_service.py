@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from grafting.synth import render, sample_scene
+from grafting.train.synth import render, sample_scene
 from tests.conftest import data_url
 
 
@@ -29,17 +29,17 @@ def test_service_answers_colour_and_shape_of_held_out_images(openai_client):
 
 
 def test_served_graft_gives_the_eval_commands_figures_on_held_out_scenes(openai_client, tmp_path):
-    """Issue 15: the held-out scene questions (held-out renderings x held-out phrasings, grafting.scenes) answered
+    """Issue 15: the held-out scene questions (held-out renderings x held-out phrasings, grafting.train.scenes) answered
     through the openai SDK by the running service (vLLM backend, float32) give the figures of ``chimera graft eval
     --generate`` (in-process transformers reference, float32 like the service): same greedy text per question, so
     the same generated accuracy per type and the same one-word format check. The shipped graft's figures
     themselves are the README's; here only their equality is asserted."""
     from PIL import Image
 
-    from grafting.data import read_jsonl
-    from grafting.freeform import evaluate_generated, score_generated
-    from grafting.scenes import write_dataset
-    from grafting.train import load_checkpoint_config, load_graft
+    from grafting.train.data import read_jsonl
+    from grafting.train.freeform import evaluate_generated, score_generated
+    from grafting.train.scenes import write_dataset
+    from grafting.train.loop import load_checkpoint_config, load_graft
 
     rows = read_jsonl(write_dataset(tmp_path, n_train=0, n_test=2, seed=0)["test"])
     assert {r["question_type"] for r in rows} >= {"colour", "shape", "count", "yesno", "multi"}

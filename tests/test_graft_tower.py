@@ -71,7 +71,7 @@ def test_pretrain_tower_is_seeded_and_saves_a_loadable_tower(tmp_path):
     from transformers import Kimi_K25VisionModel
 
     from grafting.config import TowerBuild
-    from grafting.pretrain_tower import PretrainTowerConfig, pretrain_tower
+    from grafting.train.pretrain import PretrainTowerConfig, pretrain_tower
 
     torch.set_num_threads(1)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -23,15 +23,15 @@ def dirs(tmp_path_factory, model_dir):
 
 
 def _batch(processor, rows):
-    from grafting.data import ConversationDataset, collate
+    from grafting.train.data import ConversationDataset, collate
 
     ds = ConversationDataset(rows, processor)
     return collate([ds[i] for i in range(len(rows))], processor.tokenizer.pad_token_id)
 
 
 def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path):
-    from grafting.data import read_jsonl
-    from grafting.train import load_graft, token_loss, trainable_parameters
+    from grafting.train.data import read_jsonl
+    from grafting.train.loop import load_graft, token_loss, trainable_parameters
 
     cfg = train_config(dirs, tmp_path / "run")
     vlm, processor = load_graft(cfg.model)
@@ -58,8 +58,8 @@ def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path):
 
 
 def test_train_loss_goes_down_checkpoints_reload_and_resume_exactly(dirs, tmp_path):
-    from grafting.data import read_jsonl
-    from grafting.train import load_checkpoint_config, load_graft, train
+    from grafting.train.data import read_jsonl
+    from grafting.train.loop import load_checkpoint_config, load_graft, train
 
     # overfit 4 QA rows: one batch repeated, 8 steps
     qa4 = tmp_path / "qa4.jsonl"
@@ -108,7 +108,7 @@ def test_train_loss_goes_down_checkpoints_reload_and_resume_exactly(dirs, tmp_pa
 
 
 def test_stages_run_in_order_with_one_schedule(dirs, tmp_path):
-    from grafting.train import train
+    from grafting.train.loop import train
 
     cfg = train_config(dirs, tmp_path / "run", steps=(2, 2), optim={"lr": 1e-3, "batch_size": 2, "warmup_ratio": 0.5})
     train(cfg, log=lambda *_: None)
@@ -122,7 +122,7 @@ def test_stages_run_in_order_with_one_schedule(dirs, tmp_path):
 def test_lora_option_trains_adapters_only(dirs, tmp_path):
     from safetensors.torch import load_file
 
-    from grafting.train import train
+    from grafting.train.loop import train
 
     cfg = train_config(dirs, tmp_path / "run", steps=(1, 1), lora={"enabled": True, "r": 4, "alpha": 8})
     train(cfg, log=lambda *_: None)
@@ -136,7 +136,7 @@ def test_lora_option_trains_adapters_only(dirs, tmp_path):
 def test_bad_configs_are_refused(dirs, tmp_path):
     import pydantic
 
-    from grafting.train import TrainConfig, train
+    from grafting.train.loop import TrainConfig, train
 
     with pytest.raises(pydantic.ValidationError):
         train_config(dirs, tmp_path / "r", mixed_precision="fp8")
@@ -152,7 +152,7 @@ def test_bad_configs_are_refused(dirs, tmp_path):
 
 
 def test_gpu_config_dry_run_on_meta_device():
-    from grafting.train import TrainConfig, dry_run
+    from grafting.train.loop import TrainConfig, dry_run
 
     cfg = TrainConfig.from_yaml(REPO / "configs/graft/gpu_glm4_moonvit.yaml")
     rep = dry_run(cfg)
@@ -167,7 +167,7 @@ def test_gpu_config_dry_run_on_meta_device():
 
 
 def test_cpu_configs_parse():
-    from grafting.train import TrainConfig
+    from grafting.train.loop import TrainConfig
 
     for name in ("cpu", "cpu_exp_b", "cpu_captions_only", "cpu_random_tower"):
         cfg = TrainConfig.from_yaml(REPO / f"configs/graft/{name}.yaml")

@@ -227,6 +227,9 @@ def test_rules_of_the_link_checker():
     assert slug("GPU profile: fetching the weights and the memory plan") == \
         "gpu-profile-fetching-the-weights-and-the-memory-plan"
     assert layout_entries("a/   x.py\n  more y.py\nb/   z.py\n") == {"a": "a/   x.py\n  more y.py\n", "b": "b/   z.py\n"}
+    assert named_in("a/ x.py, sub/ (y.py)", Path("sub/y.py")) and named_in("a/ sub/y.py", Path("sub/y.py"))
+    assert not named_in("a/ y.py, sub/ (x.py)", Path("sub/y.py")) and not named_in("a/ y.py", Path("sub/y.py"))
+    assert named_in("a/ x.py, sub/ (y.py)", Path("x.py")) and not named_in("a/ xx.py", Path("x.py"))
 
 
 def test_broken_links_names_each_missing_file_and_heading(tmp_path):
@@ -259,10 +262,21 @@ def test_every_relative_link_resolves():
     assert [bad for page in PAGES for bad in broken_links(page)] == []
 
 
+def named_in(entry: str, f: Path) -> bool:
+    """Whether Layout ``entry`` names file ``f`` (relative to its package): by its file name, and for a file of a
+    subfolder after that folder's own name (``train/ ... loop.py``), so a subpackage's files are listed with it."""
+    if len(f.parts) > 1:
+        folder = re.search(rf"(?<![\w.]){re.escape(f.parent.name)}/", entry)
+        if not folder:
+            return False
+        entry = entry[folder.end():]
+    return re.search(rf"(?<![\w.]){re.escape(f.name)}(?!\w)", entry) is not None
+
+
 def test_layout_names_every_module():
     entries = layout_entries(layout_block())
     missing = [f"{pkg}/{f}" for pkg in LAYOUT_PACKAGES for f in package_files(pkg)
-               if not re.search(rf"(?<![\w.]){re.escape(f.name)}(?!\w)", entries.get(pkg, ""))]
+               if not named_in(entries.get(pkg, ""), f)]
     assert missing == [], f"README's Layout leaves out {missing}"
 
 

@@ -28,7 +28,7 @@ import jsonschema
 import openai
 import pytest
 
-from grafting.synth import render, sample_scene
+from grafting.train.synth import render, sample_scene
 from services.app import build_app
 from services.backends import LocalBackend
 from services.chat import Deployment

@@ -15,7 +15,7 @@ Held out from all training (tower pretraining, captions, QA):
 Question types: ``colour``, ``shape``, ``count``, ``yesno`` (is it red / a circle),
 ``multi`` (colour and shape at once), ``position`` (quadrant of one small object), ``size`` (small < 25% of the
 canvas, large > 55%). Answer styles follow the instruction: ``short`` ("Red."), ``word`` (one word, "Red"),
-``sentence`` ("The shape is red."). Rows are LLaVA JSONL (arXiv:2304.08485) like :mod:`grafting.synth`; test
+``sentence`` ("The shape is red."). Rows are LLaVA JSONL (arXiv:2304.08485) like :mod:`grafting.train.synth`; test
 rows add ``question_type``, ``style``, ``choices`` (every possible answer written in the row's style),
 ``answer_index``, ``answer_word`` and ``held_out_pair`` (here: the object is in the held-out size band).
 Images are drawn with PIL in-process, seeded; no downloads.
@@ -442,7 +442,7 @@ def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
     ``canvas // cell`` grid), which object class it shows: ``(shape, colour)`` int64 arrays of ``(canvas // cell)**2``,
     0 = background, else 1 + the index in :data:`SHAPES` / :data:`COLOURS`, where the scene's objects (drawn
     filled, even when outlined) cover at least ``min_cover`` of the cell's pixels. Dense targets for tower
-    pretraining (:mod:`grafting.pretrain_tower`, ``token_weight``). Raises ValueError when ``canvas`` is not a
+    pretraining (:mod:`grafting.train.pretrain`, ``token_weight``). Raises ValueError when ``canvas`` is not a
     multiple of ``cell``."""
     if canvas % cell:
         raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")

@@ -6,7 +6,7 @@ end-of-turn token) after the prompt, as in lm-evaluation-harness' multiple-choic
 and its KV cache re-used by all choices in one batch. Nothing is parsed out of generated text. Baselines:
 ``blind`` drops the image (the LLM answers from the question alone, exactly the base LLM), ``shuffled`` gives
 each question another item's image (a derangement). Items come from the synthetic test split or from
-MMStar/MMMU-Pro files (:mod:`grafting.mcq`).
+MMStar/MMMU-Pro files (:mod:`grafting.train.mcq`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections import Counter, defaultdict
 
 import torch
 
+from ..model import GraftedVLM
+from ..processor import GraftProcessor
 from .mcq import MCItem
-from .model import GraftedVLM
-from .processor import GraftProcessor
 
 CONDITIONS = ("image", "blind", "shuffled")
 

@@ -1,7 +1,8 @@
 """``chimera graft ...``: synthetic data, tower pretraining, projector training, evaluation, export.
 
 The typer app ``graft_app`` is mounted by ``services/cli.py``; it is also runnable alone
-(``python -m grafting.cli``) and under ``accelerate launch -m grafting.cli train --config ...``.
+(``python -m grafting.train``, :mod:`grafting.train.__main__`) and under
+``accelerate launch -m grafting.train train --config ...``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import typer
 
 graft_app = typer.Typer(help="Grafting: synthetic data, tower pretraining, projector training, evaluation.",
                         no_args_is_help=True)
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # grafting/assets
 
 
 @graft_app.command()
@@ -35,7 +36,7 @@ def scenes(out: Path = typer.Option(Path("runs/scenes"), help="output folder"),
            n_test: int = typer.Option(150, help="held-out images (gradient backgrounds, held-out size band), "
                                                 "one held-out-phrasing question row per question type"),
            seed: int = typer.Option(0), canvas: int = typer.Option(112, help="image side in pixels")):
-    """Write the varied scene dataset (grafting.scenes): everyday phrasings, held-out phrasings and renderings."""
+    """Write the varied scene dataset (grafting.train.scenes): everyday phrasings, held-out phrasings and renderings."""
     from .scenes import write_dataset
 
     paths = write_dataset(out, n_train, n_test, seed, canvas)
@@ -50,13 +51,14 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        heads: int = typer.Option(4), intermediate_size: int = typer.Option(512),
                        split: str = typer.Option("pretrain", help="synthetic split: pretrain (broad) or train"),
                        init: str = typer.Option(None, help="continue from this tower folder"),
-                       source: str = typer.Option("synth", help="synth (grafting.synth) or scenes (grafting.scenes)"),
+                       source: str = typer.Option("synth", help="synth (grafting.train.synth) or scenes "
+                                                                "(grafting.train.scenes)"),
                        token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
-    from .config import TowerBuild
-    from .pretrain_tower import PretrainTowerConfig, pretrain_tower
+    from ..config import TowerBuild
+    from .pretrain import PretrainTowerConfig, pretrain_tower
 
     torch.manual_seed(seed)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
@@ -72,7 +74,7 @@ def train(config: Path = typer.Option(..., help="training YAML (configs/graft/*.
           output_dir: str = typer.Option(None, help="override output_dir"),
           dry_run: bool = typer.Option(False, help="build on the meta device and report; no training")):
     """Train the projector (tower and LLM frozen); stages, checkpoints and resume as configured."""
-    from .train import TrainConfig, dry_run as do_dry_run, train as do_train
+    from .loop import TrainConfig, dry_run as do_dry_run, train as do_train
 
     cfg = TrainConfig.from_yaml(config, output_dir=output_dir)
     if dry_run:
@@ -91,7 +93,7 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
              tower: str = typer.Option(None, help="override the tower named in graft.json"),
              llm_dtype: str = typer.Option("bfloat16"), limit: int = typer.Option(None, help="first N items"),
              types: str = typer.Option(None, help="comma list of question types to keep"),
-             generate: bool = typer.Option(False, help="also greedy-generate every answer (grafting.scenes test "
+             generate: bool = typer.Option(False, help="also greedy-generate every answer (grafting.train.scenes test "
                                                     "files): generated accuracy, one-word format check, table"),
              out: Path = typer.Option(None, help="write the results as JSON here")):
     """Multiple-choice accuracy by answer likelihood, blind/shuffled baselines and text-only KL; with
@@ -102,7 +104,7 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
 
     from .evaluate import predict, random_chance, summarize, text_kl
     from .mcq import read_items
-    from .train import load_checkpoint_config, load_graft
+    from .loop import load_checkpoint_config, load_graft
 
     acc = Accelerator()
     mc = load_checkpoint_config(checkpoint)
@@ -156,7 +158,7 @@ def export(checkpoint: Path = typer.Option(..., help="trained checkpoint folder 
     import torch
     from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel
 
-    from .projector import GraftProjector
+    from ..projector import GraftProjector
 
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     g = json.loads((checkpoint / "graft.json").read_text())
@@ -168,7 +170,3 @@ def export(checkpoint: Path = typer.Option(..., help="trained checkpoint folder 
     g.update(tower="tower", projector="projector", exported_dtype=dtype)
     (dest / "graft.json").write_text(json.dumps(g, indent=2))
     typer.echo(str(dest))
-
-
-if __name__ == "__main__":
-    graft_app()

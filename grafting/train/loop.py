@@ -24,11 +24,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from .config import ImageTokens
+from ..config import ImageTokens
+from ..model import GraftedVLM, ImageTokenIds
+from ..processor import GraftProcessor
+from ..projector import GraftProjector, GraftProjectorConfig
 from .data import IGNORE, ConversationDataset, collate, read_jsonl
-from .model import GraftedVLM, ImageTokenIds
-from .processor import GraftProcessor
-from .projector import GraftProjector, GraftProjectorConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -122,7 +122,7 @@ def load_graft(mc: GraftModelConfig, device: str | torch.device = "cpu", seed: i
     initialised (seeded). Tower and LLM come back frozen. Raises OSError when a checkpoint is missing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
 
-    from .tower import load_tower
+    from ..tower import load_tower
 
     llm = AutoModelForCausalLM.from_pretrained(mc.llm, dtype=DTYPES[mc.llm_dtype]).to(device)
     tower = load_tower(mc.tower, dtype=DTYPES[mc.tower_dtype], device=str(device), key_prefix=mc.tower_key_prefix)
@@ -152,7 +152,7 @@ def token_loss(vlm: GraftedVLM, batch: dict) -> torch.Tensor:
 
     Only labelled positions go through the LM head (a 49k-152k-row matmul), which is most of the saving over
     ``labels=`` on the full logits. batch: ``input_ids``/``labels``/``attention_mask`` ``(B, T)``,
-    ``pixel_values``/``image_grid_thw`` as made by :func:`grafting.data.collate`.
+    ``pixel_values``/``image_grid_thw`` as made by :func:`grafting.train.data.collate`.
     """
     embeds = vlm.embed(batch["input_ids"], batch.get("pixel_values"), batch.get("image_grid_thw"))
     h = vlm.llm.get_decoder()(inputs_embeds=embeds, attention_mask=batch["attention_mask"].to(embeds.device)).last_hidden_state
@@ -373,9 +373,3 @@ def dry_run(cfg: TrainConfig) -> dict:
             "projector_params": count(projector), "trainable_params": trainable,
             "devices": {p.device.type for p in vlm.parameters()},
             "global_batch_per_process": cfg.optim.batch_size * cfg.optim.grad_accum, "total_steps": cfg.total_steps}
-
-
-if __name__ == "__main__":  # accelerate launch -m grafting.train --config ...
-    from .cli import graft_app
-
-    graft_app(["train", *__import__("sys").argv[1:]])

@@ -42,7 +42,7 @@ class MCItem:
 
 
 def synth_items(path: str | Path) -> list[MCItem]:
-    """Items of a synthetic ``test.jsonl`` (:func:`grafting.synth.write_dataset`)."""
+    """Items of a synthetic ``test.jsonl`` (:func:`grafting.train.synth.write_dataset`)."""
     from .data import read_jsonl
 
     items = []

@@ -1,14 +1,14 @@
 """Generated answers to everyday questions: greedy decoding, answer extraction and the one-word format check.
 
-Multiple-choice scoring (:mod:`grafting.evaluate`) says which written answer the graft finds most likely; it
+Multiple-choice scoring (:mod:`grafting.train.evaluate`) says which written answer the graft finds most likely; it
 cannot see a graft that replies "Large." to "What colour is it? Answer with one word." This module looks at
 what the graft *writes*: each question is answered by greedy decoding (temperature 0, at most
 ``max_new_tokens``), then
 - the answer is read out of the text: the one option value (colour, shape, number word, yes/no, colour + shape,
   position, size word) that the text names; a text naming none or several is wrong;
 - the format check: a question whose instruction asks for one word (style ``word``,
-  :mod:`grafting.scenes`) is obeyed when the text is one word (letters only, trailing ``.``/``!`` allowed).
-Rows are the ``test.jsonl`` rows of :func:`grafting.scenes.write_dataset` (``question_type``, ``style``,
+  :mod:`grafting.train.scenes`) is obeyed when the text is one word (letters only, trailing ``.``/``!`` allowed).
+Rows are the ``test.jsonl`` rows of :func:`grafting.train.scenes.write_dataset` (``question_type``, ``style``,
 ``answer_word``).
 """
 
@@ -19,10 +19,10 @@ from collections import defaultdict
 
 import torch
 
+from ..generate import SamplingParams, generate_stream
+from ..model import GraftedVLM
+from ..processor import GraftProcessor
 from .data import load_image, to_messages
-from .generate import SamplingParams, generate_stream
-from .model import GraftedVLM
-from .processor import GraftProcessor
 from .scenes import values
 
 DIGITS = {"1": "one", "2": "two", "3": "three"}
@@ -34,7 +34,7 @@ def one_word(text: str) -> bool:
 
 
 def read_answer(text: str, qtype: str) -> str | None:
-    """The option value of ``qtype`` that ``text`` names (lower case, as :func:`grafting.scenes.values`), or
+    """The option value of ``qtype`` that ``text`` names (lower case, as :func:`grafting.train.scenes.values`), or
     None when it names none or more than one. ``multi`` needs exactly one colour and one shape; plurals
     ("circles") and digits ("2") count."""
     words = re.findall(r"[a-z0-9]+", text.lower())

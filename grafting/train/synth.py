@@ -6,7 +6,7 @@ Splits:
 - ``train``: every colour/shape pair except :data:`HELD_OUT_PAIRS`, drawn with the train ranges.
 - ``test``: all pairs (the held-out pairs never appear in training), drawn differently: other shape sizes
   (inside the small/large gap), other position jitter, other background colours and another noise kind.
-- ``pretrain``: what the cpu tower is pretrained on (:mod:`grafting.pretrain_tower`), standing in for the
+- ``pretrain``: what the cpu tower is pretrained on (:mod:`grafting.train.pretrain`), standing in for the
   broad data a real encoder saw: the whole size range, random tints, both noise kinds and all colour/shape
   pairs (the graft's own captions and QA never show a held-out pair).
 Rows follow LLaVA's format (arXiv:2304.08485): ``{"id", "image", "conversations": [{"from": "human"|"gpt",

@@ -6,7 +6,7 @@ The real graft starts from a pretrained encoder (MoonViT). The cpu profile's tow
 trained here as a plain multi-task classifier (colour, shape, count, size, position heads on the mean of its
 merged patch features), then saved and frozen. The heads are thrown away; grafting never updates the tower.
 With ``source: scenes`` and ``token_weight > 0`` every merged token also gets dense targets
-(:func:`grafting.scenes.token_targets`: background or the object's shape / colour under it), since the
+(:func:`grafting.train.scenes.token_targets`: background or the object's shape / colour under it), since the
 projector reads the tokens, not their mean. Seeded and deterministic on one thread (same seed, same weights).
 """
 
@@ -22,22 +22,22 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from .config import TowerBuild
+from ..config import TowerBuild
+from ..tower import build_random_tower, build_tower_config
 from .synth import COLOURS, COUNTS, POSITIONS, SHAPES, SIZES, render, sample_scene
-from .tower import build_random_tower, build_tower_config
 
 HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS), "size": list(SIZES),
          "position": list(POSITIONS) + [None]}
-SOURCES = ("synth", "scenes")  # grafting.synth (the seed's generator) or grafting.scenes (varied, issue 15)
+SOURCES = ("synth", "scenes")  # grafting.train.synth (the seed's generator) or grafting.train.scenes (varied, issue 15)
 
 
 class PretrainTowerConfig(BaseModel):
     """Tower sizes (:class:`~grafting.config.TowerBuild`), optimisation (steps, batch of images, AdamW peak lr
     with 5% warmup then cosine), image canvas in pixels, the processor's longest side in pixels, the synthetic
     split drawn from (``pretrain``: broad; ``train``: the graft's training ranges; with ``source: scenes`` the
-    :mod:`grafting.scenes` train split, whatever ``split`` says, and its :data:`~grafting.scenes.TOWER_HEADS`)
-    an optional tower folder to continue from (``init``; its sizes win over ``tower``) and the weight of the
-    per-token shape and colour losses (``token_weight``; scenes only, 0 = off)."""
+    :mod:`grafting.train.scenes` train split, whatever ``split`` says, and its
+    :data:`~grafting.train.scenes.TOWER_HEADS`) an optional tower folder to continue from (``init``; its sizes win
+    over ``tower``) and the weight of the per-token shape and colour losses (``token_weight``; scenes only, 0 = off)."""
 
     model_config = ConfigDict(extra="forbid")
     tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
@@ -69,7 +69,7 @@ def heads_of(source: str) -> dict[str, list]:
     return HEADS
 
 
-TOKEN_HEADS = {"token_shape": 1 + 3, "token_colour": 1 + 4}  # background + grafting.scenes SHAPES / COLOURS
+TOKEN_HEADS = {"token_shape": 1 + 3, "token_colour": 1 + 4}  # background + grafting.train.scenes SHAPES / COLOURS
 
 
 class TowerClassifier(nn.Module):
@@ -158,7 +158,7 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
                                    cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.token_weight and cfg.source != "scenes":
-        raise ValueError("token_weight needs source: scenes (token targets come from grafting.scenes)")
+        raise ValueError("token_weight needs source: scenes (token targets come from grafting.train.scenes)")
     model = TowerClassifier(tower, heads_of(cfg.source), token_heads=cfg.token_weight > 0).train()
     side = cfg.max_image_side // 14
     processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .processor import GraftProcessor
+from ..processor import GraftProcessor
 
 IGNORE = -100
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
