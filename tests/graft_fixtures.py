@@ -39,8 +39,8 @@ def write_tiny_graft(root: Path, model_dir: Path) -> dict[str, Path]:
 
 
 def train_config(dirs: dict[str, Path], out: Path, steps=(3, 3), **overrides):
-    """A :class:`~grafting.train.loop.TrainConfig` on the tiny models: captions then QA, fp32, batch 4."""
-    from grafting.train.loop import TrainConfig
+    """A :class:`~grafting.train.config.TrainConfig` on the tiny models: captions then QA, fp32, batch 4."""
+    from grafting.train.config import TrainConfig
 
     data = {"output_dir": str(out),
             "model": {"tower": str(dirs["tower"]), "llm": str(dirs["llm"]), "image_tokens": IMAGE_TOKENS,

@@ -14,7 +14,7 @@ from tests.graft_fixtures import train_config, write_tiny_graft
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, model_dir):
     from grafting.train.mcq import synth_items
-    from grafting.train.loop import load_graft
+    from grafting.train.checkpoint import load_graft
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tiny_eval")

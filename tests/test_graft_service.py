@@ -39,7 +39,7 @@ def test_served_graft_gives_the_eval_commands_figures_on_held_out_scenes(openai_
     from grafting.train.data import read_jsonl
     from grafting.train.freeform import evaluate_generated, score_generated
     from grafting.train.scenes import write_dataset
-    from grafting.train.loop import load_checkpoint_config, load_graft
+    from grafting.train.checkpoint import load_checkpoint_config, load_graft
 
     rows = read_jsonl(write_dataset(tmp_path, n_train=0, n_test=2, seed=0)["test"])
     assert {r["question_type"] for r in rows} >= {"colour", "shape", "count", "yesno", "multi"}

@@ -31,7 +31,8 @@ def _batch(processor, rows):
 
 def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path):
     from grafting.train.data import read_jsonl
-    from grafting.train.loop import load_graft, token_loss, trainable_parameters
+    from grafting.train.checkpoint import load_graft
+    from grafting.train.loop import token_loss, trainable_parameters
 
     cfg = train_config(dirs, tmp_path / "run")
     vlm, processor = load_graft(cfg.model)
@@ -59,7 +60,8 @@ def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path):
 
 def test_train_loss_goes_down_checkpoints_reload_and_resume_exactly(dirs, tmp_path):
     from grafting.train.data import read_jsonl
-    from grafting.train.loop import load_checkpoint_config, load_graft, train
+    from grafting.train.checkpoint import load_checkpoint_config, load_graft
+    from grafting.train.loop import train
 
     # overfit 4 QA rows: one batch repeated, 8 steps
     qa4 = tmp_path / "qa4.jsonl"
@@ -136,7 +138,8 @@ def test_lora_option_trains_adapters_only(dirs, tmp_path):
 def test_bad_configs_are_refused(dirs, tmp_path):
     import pydantic
 
-    from grafting.train.loop import TrainConfig, train
+    from grafting.train.config import TrainConfig
+    from grafting.train.loop import train
 
     with pytest.raises(pydantic.ValidationError):
         train_config(dirs, tmp_path / "r", mixed_precision="fp8")
@@ -152,7 +155,8 @@ def test_bad_configs_are_refused(dirs, tmp_path):
 
 
 def test_gpu_config_dry_run_on_meta_device():
-    from grafting.train.loop import TrainConfig, dry_run
+    from grafting.train.config import TrainConfig
+    from grafting.train.loop import dry_run
 
     cfg = TrainConfig.from_yaml(REPO / "configs/graft/gpu_glm4_moonvit.yaml")
     rep = dry_run(cfg)
@@ -167,7 +171,7 @@ def test_gpu_config_dry_run_on_meta_device():
 
 
 def test_cpu_configs_parse():
-    from grafting.train.loop import TrainConfig
+    from grafting.train.config import TrainConfig
 
     for name in ("cpu", "cpu_exp_b", "cpu_captions_only", "cpu_random_tower"):
         cfg = TrainConfig.from_yaml(REPO / f"configs/graft/{name}.yaml")

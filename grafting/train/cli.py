@@ -74,7 +74,8 @@ def train(config: Path = typer.Option(..., help="training YAML (configs/graft/*.
           output_dir: str = typer.Option(None, help="override output_dir"),
           dry_run: bool = typer.Option(False, help="build on the meta device and report; no training")):
     """Train the projector (tower and LLM frozen); stages, checkpoints and resume as configured."""
-    from .loop import TrainConfig, dry_run as do_dry_run, train as do_train
+    from .config import TrainConfig
+    from .loop import dry_run as do_dry_run, train as do_train
 
     cfg = TrainConfig.from_yaml(config, output_dir=output_dir)
     if dry_run:
@@ -104,7 +105,7 @@ def eval_cmd(checkpoint: Path = typer.Option(..., help="a checkpoint folder (gra
 
     from .evaluate import predict, random_chance, summarize, text_kl
     from .mcq import read_items
-    from .loop import load_checkpoint_config, load_graft
+    from .checkpoint import load_checkpoint_config, load_graft
 
     acc = Accelerator()
     mc = load_checkpoint_config(checkpoint)

@@ -13,140 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import math
 import random
 import time
 from pathlib import Path
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from ..config import ImageTokens
 from ..model import GraftedVLM, ImageTokenIds
-from ..processor import GraftProcessor
 from ..projector import GraftProjector, GraftProjectorConfig
+from .checkpoint import latest_checkpoint, load_graft, save_checkpoint
+from .config import TrainConfig
 from .data import IGNORE, ConversationDataset, collate, read_jsonl
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class GraftModelConfig(_Strict):
-    """What is grafted: ``tower`` (MoonViT directory / hub id, or a full VLM checkpoint with
-    ``tower_key_prefix``), ``llm`` (causal LM directory / hub id), the image placeholder tokens, the image size
-    cap in pixels, backbone dtypes, the projector's middle width and an optional projector to start from.
-    ``meta_llm_config``/``meta_tower_config``: config kwargs used only by ``--dry-run`` (no download)."""
-
-    tower: str
-    llm: str
-    tower_key_prefix: str | None = None
-    image_tokens: ImageTokens = ImageTokens()
-    max_image_side: int = Field(224, ge=28)
-    max_prompt_tokens: int = 1024
-    llm_dtype: str = Field("bfloat16", pattern="^(float32|bfloat16|float16)$")
-    tower_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
-    projector_mid_size: int | None = None
-    init_projector: str | None = None
-    meta_llm_config: dict | None = None
-    meta_tower_config: dict | None = None
-
-
-class Stage(_Strict):
-    """One training stage: a LLaVA JSONL file and a number of optimizer steps."""
-
-    name: str
-    data: str
-    steps: int = Field(gt=0)
-
-
-class OptimConfig(_Strict):
-    """AdamW (peak ``lr``) with ``warmup_ratio`` of all steps linear warmup, then cosine decay to 0.
-    ``batch_size`` rows per process per micro-step; ``grad_accum`` micro-steps per optimizer step."""
-
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_ratio: float = 0.05
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0
-
-
-class LoraOptions(_Strict):
-    """Optional peft LoRA adapters on the LLM (off by default: the LLM stays exactly the base model)."""
-
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    target_modules: list[str] = ["q_proj", "v_proj"]
-
-
-class TrainConfig(_Strict):
-    """A training run (one YAML file under ``configs/graft``). ``mixed_precision``: ``no`` (fp32) or ``bf16``
-    autocast. ``resume``: ``auto`` (latest checkpoint in ``output_dir`` if any), a checkpoint path, or null."""
-
-    output_dir: str
-    model: GraftModelConfig
-    stages: list[Stage]
-    optim: OptimConfig = OptimConfig()
-    mixed_precision: str = Field("bf16", pattern="^(no|bf16|fp16)$")
-    gradient_checkpointing: bool = False
-    lora: LoraOptions = LoraOptions()
-    seed: int = 0
-    save_every: int = 100
-    log_every: int = 10
-    resume: str | None = "auto"
-
-    @property
-    def total_steps(self) -> int:
-        """Optimizer steps over all stages."""
-        return sum(s.steps for s in self.stages)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":
-        """Load a YAML config; ``overrides`` replace top-level keys. Raises pydantic.ValidationError."""
-        data = yaml.safe_load(Path(path).read_text())
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(data)
-
-
-# -- model ----------------------------------------------------------------------------------------
-def load_graft(mc: GraftModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> tuple[GraftedVLM, GraftProcessor]:
-    """Load tower, LLM and tokenizer with ``from_pretrained``; the projector from ``init_projector`` or freshly
-    initialised (seeded). Tower and LLM come back frozen. Raises OSError when a checkpoint is missing."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
-
-    from ..tower import load_tower
-
-    llm = AutoModelForCausalLM.from_pretrained(mc.llm, dtype=DTYPES[mc.llm_dtype]).to(device)
-    tower = load_tower(mc.tower, dtype=DTYPES[mc.tower_dtype], device=str(device), key_prefix=mc.tower_key_prefix)
-    tokenizer = AutoTokenizer.from_pretrained(mc.llm)
-    side = mc.max_image_side // 14
-    try:
-        image_processor = Kimi_K25ImageProcessor.from_pretrained(mc.tower, size={"max_height": side, "max_width": side})
-    except OSError:
-        image_processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
-    if mc.init_projector:
-        projector = GraftProjector.from_pretrained(mc.init_projector, dtype=torch.float32)
-    else:
-        torch.manual_seed(seed)
-        projector = GraftProjector(GraftProjectorConfig(
-            vision_hidden_size=tower.config.hidden_size, merge_size=4, mid_size=mc.projector_mid_size,
-            llm_hidden_size=llm.config.hidden_size))
-    t = mc.image_tokens
-    processor = GraftProcessor(tokenizer, image_processor, (t.start, t.image, t.end),
-                               max_prompt_tokens=mc.max_prompt_tokens)
-    vlm = GraftedVLM(tower, projector.to(device), llm, processor.image_token_ids)
-    vlm.freeze_backbones()
-    return vlm, processor
-
-
+# -- loss -----------------------------------------------------------------------------------------
 def token_loss(vlm: GraftedVLM, batch: dict) -> torch.Tensor:
     """Mean next-token cross-entropy over labelled (assistant) positions, float32 scalar.
 
@@ -198,43 +80,6 @@ def sample_order(n_rows: int, n_samples: int, seed: int) -> list[int]:
         rng.shuffle(perm)
         out += perm
     return out[:n_samples]
-
-
-# -- checkpoints ----------------------------------------------------------------------------------
-def save_checkpoint(path: Path, vlm: GraftedVLM, cfg: TrainConfig, step: int, stage: str,
-                    optimizer=None, scheduler=None) -> None:
-    """Write ``projector/`` (safetensors + config), ``graft.json`` (tower, LLM, image tokens, step) and, with an
-    optimizer, ``trainer_state.pt``; ``lora/`` when LoRA is on."""
-    path.mkdir(parents=True, exist_ok=True)
-    vlm.projector.save_pretrained(path / "projector")
-    if cfg.lora.enabled:
-        vlm.llm.save_pretrained(path / "lora")
-    mc = cfg.model
-    graft = {"tower": mc.tower, "tower_key_prefix": mc.tower_key_prefix, "llm": mc.llm,
-             "image_tokens": mc.image_tokens.model_dump(), "max_image_side": mc.max_image_side,
-             "projector": "projector", "step": step, "stage": stage, "lora": cfg.lora.enabled}
-    (path / "graft.json").write_text(json.dumps(graft, indent=2))
-    if optimizer is not None:
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   path / "trainer_state.pt")
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The ``checkpoint-<step>`` folder with the highest step that has a ``trainer_state.pt``, or None."""
-    ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.pt").exists()]
-    return max(ckpts, key=lambda p: int(p.name.split("-")[1])) if ckpts else None
-
-
-def load_checkpoint_config(path: str | Path) -> GraftModelConfig:
-    """The :class:`GraftModelConfig` that loads a saved checkpoint (``graft.json`` + ``projector/``); a tower
-    named relative to the checkpoint folder (an exported graft) is found there."""
-    path = Path(path)
-    g = json.loads((path / "graft.json").read_text())
-    tower = str(path / g["tower"]) if (path / g["tower"]).is_dir() else g["tower"]  # exported grafts: relative
-    return GraftModelConfig(tower=tower, llm=g["llm"], tower_key_prefix=g.get("tower_key_prefix"),
-                            image_tokens=ImageTokens(**g["image_tokens"]), max_image_side=g["max_image_side"],
-                            init_projector=str(path / g.get("projector", "projector")))
-
 
 # -- the loop -------------------------------------------------------------------------------------
 def train(cfg: TrainConfig, log=print) -> dict:
