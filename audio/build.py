@@ -2,7 +2,7 @@
 
 - ``tts/lm``: a seeded random-weight ``LlamaForCausalLM`` with the Orpheus token layout placed above SmolLM2's
   49,152-token vocabulary (vocabulary = highest layout id + 1), saved with ``save_pretrained`` together with
-  SmolLM2's tokenizer (``grafting.build.smollm2_tokenizer``), so it loads like a real Orpheus checkpoint.
+  SmolLM2's tokenizer (``core.smollm2.smollm2_tokenizer``), so it loads like a real Orpheus checkpoint.
 - ``tts/snac``: a seeded random-weight ``SNAC(**config)`` of the real 24 kHz architecture (19.8M params), as
   ``config.json`` + ``pytorch_model.bin``: the layout ``SNAC.from_pretrained`` reads from a directory.
 Both are skipped when the profile has no ``build`` block (real checkpoints) or the files already exist.
@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
+from core.config import resolve_path
+from core.smollm2 import smollm2_tokenizer
+
 from .config import TTSConfig
 from .layout import TokenLayout
 from .snac_stream import SNAC_24KHZ_CONFIG
-
-
-def _local(model_dir: Path, p: str) -> Path:
-    return Path(p) if Path(p).is_absolute() else Path(model_dir) / p
 
 
 def build_lm(cfg: TTSConfig, out_dir: Path, tokenizer) -> None:
@@ -87,11 +86,9 @@ def prepare(cfg: TTSConfig, model_dir: Path) -> bool:
     if cfg.build is None:
         return False
     model_dir = Path(model_dir)
-    lm_dir, snac_dir = _local(model_dir, cfg.lm), _local(model_dir, cfg.snac)
+    lm_dir, snac_dir = (Path(resolve_path(model_dir, p, local=True)) for p in (cfg.lm, cfg.snac))
     wrote = False
     if not lm_matches(cfg, lm_dir):
-        from grafting.build import smollm2_tokenizer
-
         lm_dir.parent.mkdir(parents=True, exist_ok=True)
         build_lm(cfg, lm_dir, smollm2_tokenizer(model_dir))
         wrote = True

@@ -8,20 +8,18 @@ Method: Orpheus TTS (canopyai/Orpheus-TTS) with the SNAC 24 kHz codec (hubertsiu
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from grafting.config import ConfigFieldError, VLLMOptions
+from core.config import ConfigFieldError, Strict, VLLMOptions
+from core.constants import DTYPE_PATTERN
+from core.validate import SEED_LIMIT
 
 ORPHEUS_VOICES = ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
 ORPHEUS_TAGS = ["laugh", "chuckle", "sigh", "cough", "sniffle", "groan", "yawn", "gasp"]
 DEFAULT_SPEED = 1.0  # the speed of a request (or websocket session) that sends none
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class TokenLayoutConfig(_Strict):
+class TokenLayoutConfig(Strict):
     """Special ids and audio-token placement of an Orpheus-layout LM (defaults: the real Llama-3 ids).
 
     Audio token at frame position ``p`` (0..positions-1) with code ``c`` (0..codebook_size-1) has id
@@ -41,7 +39,7 @@ class TokenLayoutConfig(_Strict):
     positions: int = Field(7, gt=0)
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Strict):
     """Default sampling (most Orpheus servers: temperature 0.4-0.6, top_p 0.9-0.95, repetition penalty 1.1)."""
 
     temperature: float = Field(0.6, ge=0)
@@ -49,7 +47,7 @@ class SamplingConfig(_Strict):
     repetition_penalty: float = Field(1.1, ge=1)
 
 
-class LoopGuardConfig(_Strict):
+class LoopGuardConfig(Strict):
     """Loop guard: fires when the last ``window_frames`` frames repeat with a period of at most
     ``max_period_frames`` frames (a repeated frame is period 1). On firing, the sentence is rolled back to
     where the loop began and retried with ``repetition_penalty + penalty_step``, at most ``max_retries``
@@ -69,7 +67,7 @@ class LoopGuardConfig(_Strict):
         return self
 
 
-class TTSBuild(_Strict):
+class TTSBuild(Strict):
     """Sizes of the small random-weight Orpheus-layout ``LlamaForCausalLM`` the cpu profile builds (seeded).
     The SNAC decoder is the full 24 kHz architecture with random weights. Head size ``hidden_size /
     num_attention_heads`` = 32: the smallest vLLM's CPU attention supports (32..512), so vLLM can serve it."""
@@ -83,7 +81,7 @@ class TTSBuild(_Strict):
     seed: int = 0
 
 
-class TTSConfig(_Strict):
+class TTSConfig(Strict):
     """Engine config of the Orpheus-style speech family.
 
     ``lm``: Orpheus-layout causal LM (hub id or dir); ``tokenizer``: its tokenizer (defaults to ``lm``);
@@ -101,7 +99,7 @@ class TTSConfig(_Strict):
 
     ``backend``: who runs the LM's decode: ``transformers`` (our KV-cache loop in the replica, one per synthesis:
     the exact reference) or ``vllm`` (vLLM's OpenAI server in its own venv and process, options in ``vllm``, the same
-    :class:`grafting.config.VLLMOptions` as the VLM's; concurrent syntheses are batched there, the frame constraint
+    :class:`core.config.VLLMOptions` as the VLM's; concurrent syntheses are batched there, the frame constraint
     runs as a vLLM logits processor, see ``audio/vllm_backend.py``). ``max_batch_size``: vLLM's ``--max-num-seqs``
     (sentences decoded together; more wait in vLLM's queue). Long input is never cut at a token cap: it is split
     into sentences of at most ``max_sentence_chars``, synthesized in order, and ``max_frames`` caps each sentence.
@@ -112,7 +110,7 @@ class TTSConfig(_Strict):
     tokenizer: str | None = None
     snac: str = "hubertsiuzdak/snac_24khz"
     snac_noise: bool = False
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    dtype: str = Field("float32", pattern=DTYPE_PATTERN)
     device: str = "cpu"
     layout: TokenLayoutConfig = TokenLayoutConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -159,7 +157,7 @@ class TTSConfig(_Strict):
             raise ConfigFieldError("min_speed", f"{self.min_speed} is over the default speed {DEFAULT_SPEED}")
         if self.max_speed < DEFAULT_SPEED:
             raise ConfigFieldError("max_speed", f"{self.max_speed} is under the default speed {DEFAULT_SPEED}")
-        if self.seed is not None and not -2**63 < self.seed < 2**63:
+        if self.seed is not None and not -SEED_LIMIT < self.seed < SEED_LIMIT:
             raise ConfigFieldError("seed", f"{self.seed} is outside |seed| < 2**63")
         if self.min_frames > self.max_frames:
             raise ConfigFieldError("min_frames", f"{self.min_frames} is over max_frames ({self.max_frames})")

@@ -19,13 +19,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.config import resolve_path
+from core.constants import SAMPLE_RATE
+from core.memory import DTYPES
+from core.validate import check_seed
+
 from .config import TTSConfig
 from .formats import SpeedResampler
 from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
-from .snac_stream import SAMPLE_RATE, BatchedSnacDecoder, StreamingDecoder, load_snac
+from .snac_stream import BatchedSnacDecoder, StreamingDecoder, load_snac
 from .text import clean_sentence, has_speech, split_sentences
-from .validate import SpeechInputError, check_seed, check_speakable, check_speed, check_text, check_voice
+from .validate import SpeechInputError, check_speakable, check_speed, check_text, check_voice
 
 __all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled", "NoAudioError"]
 
@@ -57,14 +62,6 @@ class SpeechDone:
     usage: dict = field(default_factory=dict)
 
 
-def _resolve(model_dir: Path, p: str) -> str:
-    q = Path(p)
-    if q.is_absolute():
-        return str(q)
-    local = Path(model_dir) / q
-    return str(local) if local.exists() else p  # else a hub id
-
-
 class TTSEngine:
     """Orpheus-layout LM + SNAC 24 kHz decoder.
 
@@ -93,14 +90,14 @@ class TTSEngine:
     def from_config(cls, cfg: TTSConfig, model_dir: str | Path, lm_client=None) -> "TTSEngine":
         """Load LM and tokenizer with ``from_pretrained`` and SNAC with ``SNAC.from_pretrained``; relative
         paths resolve against ``model_dir``. With ``cfg.backend == "vllm"`` the LM decodes in the vLLM server
-        that ``lm_client`` (a :class:`grafting.llm_client.LLMClient`, started by the serving layer) talks to and
+        that ``lm_client`` (a :class:`core.llm_client.LLMClient`, started by the serving layer) talks to and
         is not loaded here (:class:`audio.vllm_backend.VLLMSpeechLM`). Raises OSError when a checkpoint is
         missing (run ``chimera prepare``), ValueError when the vocabulary does not hold the layout or the vllm
         backend has no client."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        lm_path = _resolve(model_dir, cfg.lm)
-        dtype = getattr(torch, cfg.dtype)
+        lm_path = resolve_path(model_dir, cfg.lm)
+        dtype = DTYPES[cfg.dtype]
         if cfg.backend == "vllm":
             if lm_client is None:
                 raise ValueError("tts.engine.backend vllm needs the client of a vLLM server (lm_client)")
@@ -110,10 +107,10 @@ class TTSEngine:
         else:
             lm = AutoModelForCausalLM.from_pretrained(lm_path, dtype=dtype).to(cfg.device).eval()
             vocab = lm.config.vocab_size
-        tok = AutoTokenizer.from_pretrained(_resolve(model_dir, cfg.tokenizer) if cfg.tokenizer else lm_path)
+        tok = AutoTokenizer.from_pretrained(resolve_path(model_dir, cfg.tokenizer) if cfg.tokenizer else lm_path)
         if vocab < TokenLayout(cfg.layout).vocab_size_needed:
             raise ValueError(f"LM vocabulary ({vocab}) does not hold the token layout")
-        snac = load_snac(_resolve(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
+        snac = load_snac(resolve_path(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
         return cls(cfg, lm, tok, snac)
 
     def close(self) -> None:
@@ -175,7 +172,7 @@ class TTSEngine:
         gave no sample at all."""
         voice = check_voice(self.cfg, voice)
         speed = check_speed(self.cfg, speed)
-        seed = self.cfg.seed if seed is None else check_seed(seed)
+        seed = self.cfg.seed if seed is None else check_seed(seed, SpeechInputError)
         if seed is None:
             seed = random.randrange(2**31)
         for raw in sentences:  # before any audio: an answer (400), not a broken stream

@@ -14,7 +14,7 @@ import struct
 
 import numpy as np
 
-SAMPLE_RATE = 24000
+from core.constants import SAMPLE_RATE
 
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
                "opus": "audio/ogg"}

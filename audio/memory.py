@@ -1,4 +1,4 @@
-"""GPU memory the speech engine needs at its limits: the Orpheus LM (a causal LM: ``grafting.memory``), SNAC, and
+"""GPU memory the speech engine needs at its limits: the Orpheus LM (a causal LM: ``core.memory``), SNAC, and
 the KV cache of every concurrent request at its longest sentence.
 
 A request's context is at most ``max_sentence_chars`` text tokens (a tokenizer gives at most one token per
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from grafting.memory import DTYPE_BYTES, Need, causal_lm_params, kv_bytes_per_token, meta_params, \
+from core.memory import DTYPE_BYTES, Need, causal_lm_params, kv_bytes_per_token, meta_params, \
     prefill_activation_bytes
 
 from .config import TTSConfig

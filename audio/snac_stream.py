@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
+from core.constants import SAMPLE_RATE
+
 from .layout import frames_to_snac_codes
 
-SAMPLE_RATE = 24000
 FRAME_SAMPLES = 2048  # 4 latent steps x hop 512
 
 SNAC_24KHZ_CONFIG = {
-    "sampling_rate": 24000, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 1024,
+    "sampling_rate": SAMPLE_RATE, "encoder_dim": 48, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 1024,
     "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096, "codebook_dim": 8,
     "vq_strides": [4, 2, 1], "noise": True, "depthwise": True,
 }  # hubertsiuzdak/snac_24khz config.json

@@ -5,7 +5,7 @@ Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming
 
 from __future__ import annotations
 
-from grafting.unicode import find_invalid_unicode
+from core.validate import InputError, check_seed, find_invalid_unicode
 
 from .config import TTSConfig
 from .text import clean_sentence, has_speech
@@ -22,12 +22,9 @@ _UNSUPPORTED_HINTS = {
 }
 
 
-class SpeechInputError(ValueError):
-    """Bad speech input; ``param`` names the request field (``input``, ``voice``, ``speed`` ...)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
+class SpeechInputError(InputError):
+    """Bad speech input (HTTP 400); ``param`` names the request field (``input``, ``voice``, ``speed`` ...), ``code``
+    its stable reason. Takes ``(message, param, code)``."""
 
 
 def check_fields(obj: dict, allowed: tuple[str, ...], where: str = "") -> None:
@@ -78,17 +75,6 @@ def check_speakable(cfg: TTSConfig, sentences: list[str]) -> list[str]:
         raise SpeechInputError("'input' has nothing to speak once unsupported tags are removed", "input",
                                "empty_input")
     return sentences
-
-
-def check_seed(seed) -> int | None:
-    """None, or an integer (not a bool) with ``|seed| < 2**63`` (what the sampler's generator takes)."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise SpeechInputError("'seed' must be an integer", "seed", "invalid_value")
-    if not -2**63 < seed < 2**63:
-        raise SpeechInputError("'seed' must be between -(2**63 - 1) and 2**63 - 1", "seed", "invalid_value")
-    return seed
 
 
 def check_voice(cfg: TTSConfig, voice) -> str:

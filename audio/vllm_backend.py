@@ -8,7 +8,7 @@ a sentence is one streaming ``/v1/completions`` request whose prompt is the toke
 ``max_tokens`` = the sentence's remaining frames x 7. Concurrent syntheses are separate requests that vLLM batches.
 Closing the token iterator (the loop guard fired, the sentence ended, the caller is gone) or setting the cancel
 event closes the HTTP stream, and vLLM aborts the request at once. The server and its client are owned by the
-serving layer and injected (an :class:`grafting.llm_client.LLMClient`); model code never starts processes.
+serving layer and injected (a :class:`core.llm_client.LLMClient`); model code never starts processes.
 Every attempt's stream runs on the one event loop of the instance (a daemon thread started at the first
 attempt, ended by :meth:`VLLMSpeechLM.close`), not on a loop of its own: an event loop per attempt cost its
 creation and teardown on every sentence and retry (``bench/tts_stream_loop.py``), and a client that pools its
@@ -22,15 +22,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 
-from grafting.llm_client import EngineUnavailableError, LLMClient
+from core.constants import SERVED_NAME
+from core.llm_client import EngineUnavailableError, LLMClient
+from core.validate import SEED_LIMIT
 
 from .config import SamplingConfig
 from .layout import TokenLayout
 from .vllm_ext.chimera_frame_constraint import ARG
 
-SERVED_NAME = "chimera-llm"  # the name services/vllm_server.py serves every LM under
 POLL_S = 0.05  # seconds between checks of the cancel event while waiting for vLLM's next chunk
-SEED_MOD = 2**63  # vLLM seeds are int64
 
 
 class VLLMSpeechLM:
@@ -88,7 +88,7 @@ class VLLMSpeechLM:
         return {"model": SERVED_NAME, "prompt": list(input_ids), "max_tokens": max_tokens, "stream": True,
                 "temperature": sampling.temperature, "top_p": sampling.top_p if sampling.temperature > 0 else 1.0,
                 "repetition_penalty": sampling.repetition_penalty,
-                "seed": None if seed is None else seed % SEED_MOD, "stop_token_ids": [c.end_of_speech],
+                "seed": None if seed is None else seed % SEED_LIMIT, "stop_token_ids": [c.end_of_speech],
                 "return_token_ids": True, "skip_special_tokens": False,
                 "vllm_xargs": {ARG: [c.audio_start, c.codebook_size, c.positions, c.end_of_speech, offset,
                                      int(allow_end)]}}
@@ -100,7 +100,7 @@ class VLLMSpeechLM:
         last when the sentence ended. Closing the iterator, or ``cancel`` being set (checked every
         :data:`POLL_S` s even while vLLM holds the request in its queue), closes the HTTP stream, which aborts
         the request in vLLM; on ``cancel`` it raises :class:`audio.generate.Cancelled`. Raises
-        EngineUnavailableError / EngineRequestError (``grafting.llm_client``). The stream runs on the instance's
+        EngineUnavailableError / EngineRequestError (``core.llm_client``). The stream runs on the instance's
         event loop (see the module docstring): call it from a worker thread, not from that loop."""
         from .generate import Cancelled
 

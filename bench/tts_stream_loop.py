@@ -4,7 +4,7 @@
 No vLLM, two stand-ins for it, both scripted: ``memory``, a client whose stream yields ``max_tokens`` audio ids, one
 frame of 7 per chunk, from memory (:class:`MemoryClient`: the cost of driving a stream and nothing else), and
 ``http``, a server (:class:`StandInServer`) streaming the same chunks as vLLM's ``/v1/completions`` does with
-``return_token_ids``, answering the real engine client (``services.engine_client.VLLMClient``, which today builds
+``return_token_ids``, answering the real engine client (``core.vllm_client.VLLMClient``, which today builds
 an httpx client per request: that dominates this arm). What differs between the two arms is only how the
 attempt's stream is driven. ``old``: the pre-issue-24 ``stream_tokens`` (a new event loop per attempt, its async generators shut down
 and the loop closed at the end; kept here verbatim as the baseline); ``new``: ``VLLMSpeechLM.stream_tokens``.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 class StandInServer:
     """A scripted stand-in for vLLM's OpenAI server on ``127.0.0.1`` (a free port; ``base_url``, ``state``
-    ``ready``, as :class:`services.engine_client.VLLMClient` reads them from a ServerProcess): ``POST
+    ``ready``, as :class:`core.vllm_client.VLLMClient` reads them from a ServerProcess): ``POST
     /v1/completions`` streams ``max_tokens`` audio ids of the default token layout (frame ``f``'s codes all ``f %
     4096``), 7 per ``data:`` chunk, the last with ``finish_reason: "length"``, then ``data: [DONE]``; the body
     ends when the server closes the connection. Use as a context manager (serves from a daemon thread)."""
@@ -144,7 +144,7 @@ def main() -> None:
 
     from audio.config import SamplingConfig
     from audio.vllm_backend import VLLMSpeechLM
-    from services.engine_client import VLLMClient
+    from core.vllm_client import VLLMClient
 
     sampling = SamplingConfig()
     prompt = list(range(1, 40))

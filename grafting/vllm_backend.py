@@ -1,7 +1,7 @@
 """The ``vllm`` backend of :class:`grafting.engine.VLMEngine`: the LLM's decode runs in vLLM's OpenAI server.
 
 Tower and projector run here (our environment); vLLM, in its own venv and process (started and owned by the serving
-layer, which hands the engine an :class:`~grafting.llm_client.LLMClient`: model code never imports it), gets
+layer, which hands the engine an :class:`~core.llm_client.LLMClient`: model code never imports it), gets
 the prompt as token ids when there is no image (so a text-only answer is the base LLM's, and prefix caching and
 n-gram lookup see the ids), or as prompt embeddings when there are images: the LLM's own embedding rows for the
 text tokens and the projected image features at the placeholder positions (``GraftedVLM.embed``, bit-identical
@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.constants import SERVED_NAME
+from core.llm_client import EngineRequestError, EngineUnavailableError, LLMClient
+
 from .config import VLMConfig
 from .generate import Delta, SamplingParams
-from .llm_client import EngineRequestError, EngineUnavailableError, LLMClient
 from .model import GraftedVLM
 from .processor import Prompt
 
-SERVED_NAME = "chimera-llm"  # the name the vLLM server serves the LLM under (services/vllm_server.py)
 EMBED_KEY_SUFFIXES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight")
 SUPPRESS_BIAS = -100.0  # OpenAI's most negative logit_bias: a suppressed id is never sampled
 
@@ -144,7 +145,7 @@ def embeds_payload(embeds: torch.Tensor) -> str:
 
 
 class VLLMBackend:
-    """Runs the LLM's decode in a vLLM server through ``client`` (an :class:`~grafting.llm_client.LLMClient`, see
+    """Runs the LLM's decode in a vLLM server through ``client`` (an :class:`~core.llm_client.LLMClient`, see
     the module docstring).
 
     ``ready()`` tells whether the engine serves now, ``generate(...)`` streams :class:`~grafting.generate.Delta`

@@ -265,7 +265,7 @@ def reject_invalid_unicode(value: Any, path: str = "") -> None:
     ``param`` is the field's path, e.g. ``messages[0].content[1].text`` (``path`` prefixes it); a bad key is named
     by its parent's path and the key with the surrogate escaped. Cost: strings that are pure ASCII (base64 images,
     most text) are skipped in O(1); others are scanned once."""
-    from grafting.unicode import has_lone_surrogate as bad
+    from core.validate import has_lone_surrogate as bad
 
     from .errors import APIError
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from grafting.llm_client import EngineError
+from core.llm_client import EngineError
 
 from . import metrics
 from .app import check_model, json_object
@@ -98,7 +98,7 @@ class Deployment:
         if self.batcher is not None:
             return {"backend": "transformers", "active": self.batcher.active,
                     "max_batch_seen": self.batcher.max_batch_seen, "generated_tokens": self.batcher.generated_tokens}
-        from grafting.llm_client import EngineUnavailableError
+        from core.llm_client import EngineUnavailableError
 
         server = self.server
         try:
@@ -251,7 +251,7 @@ def is_input_error(exc: BaseException) -> bool:
 
 def engine_fault(exc: ValueError) -> Exception:
     """A ValueError from the engine's side that is not an input error (:func:`is_input_error`) as the engine's
-    fault: :class:`grafting.llm_client.EngineError` (HTTP 500 ``engine_error``), never a 400 blaming the client."""
+    fault: :class:`core.llm_client.EngineError` (HTTP 500 ``engine_error``), never a 400 blaming the client."""
     return EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
 
 

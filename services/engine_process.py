@@ -1,7 +1,7 @@
 """Start and supervise an engine server process (vLLM's OpenAI-compatible server) on a local port.
 
 The serving layer owns its engine processes (the VLM deployment its vLLM server, the speech LM's next): model code
-never sees this module, it gets a client (:mod:`services.engine_client`) by injection.
+never sees this module, it gets a client (:mod:`core.vllm_client`) by injection.
 
 Why a process and not a library: vLLM pins its own torch and transformers, so it lives in its own venv
 (``make install`` builds ``.venv-vllm``) and cannot share the service's interpreter; its OpenAI server is its

@@ -327,7 +327,7 @@ class JobManager:
             slot = await self.idle.get()
             if slot is None:  # every slot was given up: pass the wake-up on to the next waiting job
                 self.idle.put_nowait(None)
-                from grafting.llm_client import EngineUnavailableError
+                from core.llm_client import EngineUnavailableError
 
                 raise EngineUnavailableError(self.engine_error)
             worker = self.workers[slot]

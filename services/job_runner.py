@@ -67,7 +67,7 @@ class JobWorker:
         """Run one job on this worker's engine (:func:`run_video_job`; same arguments, same result). Raises
         EngineUnavailableError (503 ``engine_unavailable``) naming the cause when the engine did not load."""
         if self.engine is None:
-            from grafting.llm_client import EngineUnavailableError
+            from core.llm_client import EngineUnavailableError
 
             raise EngineUnavailableError(f"the video engine did not load: {self.load_error}")
         return run_video_job(self.engine, job_id, job_dir, params, manager, self.where())

@@ -1,7 +1,8 @@
 """Memory plan: whether a profile's deployments fit their GPUs, computed before anything loads.
 
-The model math is in each family (``grafting.memory``, ``video.memory``, ``audio.memory``: weights from parameter
-counts of the real architecture configs on the meta device, KV cache and activations at the profile's limits).
+The model math is in each family (``grafting.memory``, ``video.memory``, ``audio.memory``, on ``core.memory``:
+weights from parameter counts of the real architecture configs on the meta device, KV cache and activations at the
+profile's limits).
 This module reads those configs, places the deployments on GPUs and adds up what lands on each:
 
 - architecture configs come from the checkpoint directory when it is local (fetched by ``chimera prepare`` into
@@ -26,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grafting.memory import Need, read_config
+from core.memory import Need, read_config
 
 from .profiles import CONFIG_DIR, Profile
 

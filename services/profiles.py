@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from audio.config import TTSConfig
-from grafting.config import ConfigFieldError, VLMConfig
+from core.config import ConfigFieldError, Strict
+from grafting.config import VLMConfig
 from video.config import VideoConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -25,12 +26,6 @@ E = TypeVar("E", bound=BaseModel)
 
 class ProfileError(ValueError):
     """A profile file is missing, unreadable, or has a wrong key or value (the message names it)."""
-
-
-class Strict(BaseModel):
-    """Base for profile sections: unknown keys are errors, not silently ignored."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 class DeploymentOptions(Strict):
@@ -173,7 +168,7 @@ def profile_path(name_or_path: str | os.PathLike) -> Path:
 
 def _format_validation_error(err: ValidationError) -> str:
     """Each error as ``  <dotted key>: <reason>``; a family config's cross-field check
-    (:class:`grafting.config.ConfigFieldError`) names its key below the section (``vlm.engine`` +
+    (:class:`core.config.ConfigFieldError`) names its key below the section (``vlm.engine`` +
     ``default_max_new_tokens``)."""
     lines = []
     for e in err.errors():

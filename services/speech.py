@@ -27,8 +27,10 @@ from sse_starlette.sse import EventSourceResponse
 from audio.config import TTSConfig
 from audio.formats import MEDIA_TYPES, STREAMABLE, encode, to_pcm16, wav_header
 from audio.text import SentenceBuffer, split_sentences
-from audio.validate import (SESSION_FIELDS, SPEECH_FIELDS, SpeechInputError, check_fields, check_format, check_seed,
+from audio.validate import (SESSION_FIELDS, SPEECH_FIELDS, SpeechInputError, check_fields, check_format,
                             check_speakable, check_speed, check_text, check_unicode, check_voice, speakable)
+from core.constants import SAMPLE_RATE
+from core.validate import check_seed
 
 from . import metrics
 from .app import check_model, json_object
@@ -38,7 +40,6 @@ from .errors import APIError, error_body, to_api_error
 from .profiles import FamilySection, Profile
 
 log = logging.getLogger("chimera.speech")
-SAMPLE_RATE = 24000
 
 
 class Deployment:
@@ -92,7 +93,7 @@ class Deployment:
         down)."""
         out = {"backend": self.engine.cfg.backend, "active": self.running, "frames": self.engine.frames_generated}
         if self.lm_client is not None:
-            from grafting.llm_client import EngineUnavailableError
+            from core.llm_client import EngineUnavailableError
 
             try:
                 out["engine_requests"] = await self.lm_client.requests_in_engine()
@@ -204,7 +205,7 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
             voice = check_voice(cfg, body.get("voice"))
             speed = check_speed(cfg, body.get("speed"))
             fmt, stream_format = check_format(body.get("response_format"), body.get("stream_format"))
-            seed = check_seed(body.get("seed"))
+            seed = check_seed(body.get("seed"), SpeechInputError)
             streamed = body.get("stream", True)
             if not isinstance(streamed, bool):
                 raise SpeechInputError("'stream' must be a boolean", "stream", "invalid_type")
@@ -435,7 +436,7 @@ class _Session:
         if "speed" in s:
             new["speed"] = check_speed(self.cfg, s["speed"])
         if "seed" in s:
-            new["seed"] = check_seed(s["seed"])
+            new["seed"] = check_seed(s["seed"], SpeechInputError)
         self.session = new
         await self.send({"type": "session.updated", "session": dict(new)})
 

@@ -34,6 +34,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartParser
 
+from core.media import ImageInputError, parse_data_url
+
 from . import metrics
 from .app import check_model, reject_invalid_unicode
 from .backends import Backend
@@ -128,7 +130,7 @@ class Deployment:
         load; the manager recovers interrupted jobs on this first contact). Raises EngineUnavailableError (503
         ``engine_unavailable``) naming the cause once every worker has failed to load its engine (after a bounded
         number of restarts; jobs then fail with that code too)."""
-        from grafting.llm_client import EngineUnavailableError
+        from core.llm_client import EngineUnavailableError
 
         state = await self._call("readiness")
         if state["error"]:
@@ -138,10 +140,11 @@ class Deployment:
     @_input_errors_as_events
     async def create(self, fields: dict, image: bytes | None = None, idempotency_key: str | None = None,
                      owner: str | None = None) -> dict:
-        """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (any format
-        Pillow reads; stored as PNG). ``owner``: the creating API key's id (None: no keys configured). Returns
+        """Validate and queue a generation job. ``image``: uploaded ``input_reference`` bytes (PNG, JPEG, WebP
+        or GIF, decoded by :func:`core.media.decode_image`: ImageInputError 413/415/400 otherwise; stored as PNG).
+        ``owner``: the creating API key's id (None: no keys configured). Returns
         the Video object (status ``queued``)."""
-        from video.media import load_image
+        from core.media import decode_image
         from video.request import plan_request, seconds_label
 
         req = plan_request(self.cfg, fields, has_image=image is not None)
@@ -151,7 +154,7 @@ class Deployment:
 
             def to_png() -> bytes:  # decode + encode: in a worker thread, off the replica's event loop
                 buf = io.BytesIO()
-                load_image(image, lim.max_image_bytes, lim.max_image_pixels).save(buf, format="PNG")
+                decode_image(image, lim.max_image_pixels, "input_reference", lim.max_image_bytes).save(buf, format="PNG")
                 return buf.getvalue()
 
             png = await asyncio.to_thread(to_png)
@@ -400,7 +403,9 @@ def _reference_image(ref: Any) -> bytes:
     JSON value, or that object's JSON text in a form field) or the data URL itself. Raises APIError 400
     (``param`` ``input_reference``): ``invalid_value`` for anything else (a list, number, boolean, or an
     object whose ``image_url`` is missing or not a string, or with another key such as ``file_id``: this
-    service has no Files API), ``invalid_image_url`` for a URL that is not a valid base64 data URL."""
+    service has no Files API); for a URL that :func:`core.media.parse_data_url` refuses, its error as an APIError:
+    400 ``invalid_image_url`` (not a base64 data URL), 400 ``invalid_base64``, 415 ``unsupported_image_type`` (a
+    media type other than ``image/*``)."""
     if isinstance(ref, str):
         try:
             ref = json.loads(ref)
@@ -414,21 +419,12 @@ def _reference_image(ref: Any) -> bytes:
         url = ref.get("image_url")
         why = f"an object whose image_url is {'empty' if url == '' else _json_type(url)}"
     else:
-        return _data_url_bytes(ref["image_url"], "input_reference")
+        try:
+            return parse_data_url(ref["image_url"], param="input_reference")
+        except ImageInputError as err:
+            raise to_api_error(err) from None
     raise APIError(400, f"input_reference must be an image file or {{\"image_url\": <data URL string>}}, not {why}",
                    param="input_reference", code="invalid_value")
-
-
-def _data_url_bytes(url: str, param: str) -> bytes:
-    import base64
-    import binascii
-
-    if not url.startswith("data:") or ";base64," not in url:
-        raise APIError(400, f"{param}: only base64 data URLs are accepted", param=param, code="invalid_image_url")
-    try:
-        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
-    except (binascii.Error, ValueError):
-        raise APIError(400, f"{param}: invalid base64 data", param=param, code="invalid_image_url") from None
 
 
 def check_range(header: str, size: int) -> None:

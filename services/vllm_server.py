@@ -3,7 +3,8 @@
 both families), used by the VLM and speech deployments and by tests and benches without Ray.
 
 The server runs in ``.venv-vllm`` under :class:`services.engine_process.ServerProcess`; the engine
-(``grafting/vllm_backend.py``) gets the :class:`services.engine_client.VLLMClient` and never this module.
+(``grafting/vllm_backend.py``, ``audio/vllm_backend.py``) gets the :class:`core.vllm_client.VLLMClient` and never
+this module.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import json
 from pathlib import Path
 
 from audio.config import TTSConfig
-from grafting.config import VLLMOptions, VLMConfig
-from grafting.engine import resolve_path
-from grafting.vllm_backend import SERVED_NAME
+from core.config import VLLMOptions, resolve_path
+from core.constants import SERVED_NAME
+from core.vllm_client import VLLMClient
+from grafting.config import VLMConfig
 
-from .engine_client import VLLMClient
 from .engine_process import ServerProcess, ServerSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -2,8 +2,7 @@
 
 Every checkpoint a profile names is either a local directory (absolute, or relative to the model dir and present
 there: used as is) or a hub id (``org/name``). A hub id is fetched into ``<model_dir>/<org>/<name>``, the
-directory every engine looks in first (``grafting.engine.resolve_path``, ``video.config.VideoConfig.resolve``,
-``audio.engine._resolve``), so the service then loads it from there with no network.
+directory every engine looks in first (``core.config.resolve_path``), so the service then loads it from there with no network.
 
 Only the files the engines read are fetched: config/tokenizer/processor files and, per folder, the
 ``*.safetensors`` weights (``*.bin`` only where a folder has no safetensors). With a key prefix (the MoonViT tower

@@ -19,7 +19,7 @@ def write_tiny_graft(root: Path, model_dir: Path) -> dict[str, Path]:
     32, 1 layer + its image processor) and ``synth/`` (16 train images, 4 test images) under ``root``."""
     from transformers import Kimi_K25ImageProcessor, LlamaConfig, LlamaForCausalLM
 
-    from grafting.build import smollm2_tokenizer
+    from core.smollm2 import smollm2_tokenizer
     from grafting.train.synth import write_dataset
     from grafting.tower import build_random_tower, build_tower_config
 

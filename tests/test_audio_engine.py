@@ -333,7 +333,8 @@ def test_engine_stream_and_usage(engine):
 
 
 def test_engine_rejects_tag_only_text_and_out_of_range_seed(engine):
-    from audio.validate import check_seed, check_speakable
+    from audio.validate import check_speakable
+    from core.validate import check_seed
 
     cfg = engine.cfg
     for text in ["<foo>", "<foo> </b>. <break time=\"1s\"/>"]:  # nothing left once unsupported tags go

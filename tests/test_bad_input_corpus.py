@@ -118,7 +118,7 @@ HTTP_CASES = [
     ("video-prompt-surrogate", "post", "/v1/videos", _raw(b'{"prompt": "\\udfff"}'), 400, "invalid_unicode"),
     ("video-reference-not-image", "post", "/v1/videos",
      {"data": {"prompt": "x"}, "files": {"input_reference": ("a.png", b"GIF89a-but-not", "image/png")}}, 415,
-     "unsupported_media_type"),
+     "unsupported_image_type"),
     ("video-not-multipart", "post", "/v1/videos", _raw(b"not multipart at all", "multipart/form-data; boundary=zz"),
      400, "invalid_body"),
     ("video-multipart-no-boundary", "post", "/v1/videos", _raw(b"x", "multipart/form-data"), 400, "invalid_body"),

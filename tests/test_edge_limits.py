@@ -248,7 +248,7 @@ def test_remote_image_fetch_errors_are_400_image_fetch_failed():
     timeout (a listening socket that never answers; timeout 0.2 s) are each 400 ``image_fetch_failed``."""
     import socket
 
-    from grafting.media import ImageInputError, load_image_url
+    from core.media import ImageInputError, load_image_url
 
     free = socket.socket()
     free.bind(("127.0.0.1", 0))
@@ -375,11 +375,11 @@ def test_extension_upload_is_probed_from_its_header_before_any_decode(tmp_path, 
 
 
 def test_one_lone_surrogate_check_per_side():
-    """The model side's ``grafting.unicode.find_invalid_unicode`` names the path of the first bad string (speech
+    """The model side's ``core.validate.find_invalid_unicode`` names the path of the first bad string (speech
     and video requests use it); the video router's JSON bodies use the services side's
     ``reject_invalid_unicode`` (400 ``invalid_unicode`` naming the path)."""
     from audio.validate import SpeechInputError, check_unicode
-    from grafting.unicode import find_invalid_unicode
+    from core.validate import find_invalid_unicode
     from services.app import reject_invalid_unicode
     from services.errors import APIError
     from video.request import RequestError, plan_request

@@ -177,8 +177,8 @@ def test_never_orphaned_when_the_supervising_process_is_killed(spec, tmp_path, b
 
 
 def test_client_reads_vllm_logprobs_by_token_id_most_likely_first():
-    from grafting.llm_client import TokenLogprob
-    from services.engine_client import parse_logprobs
+    from core.llm_client import TokenLogprob
+    from core.vllm_client import parse_logprobs
 
     lp = {"tokens": ["token_id:5", "token_id:9"], "token_logprobs": [-0.1, -3.0],
           "top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.0, "token_id:3": -0.5},

@@ -93,7 +93,7 @@ def test_cpu_profile_vllm_kv_caches_hold_their_batches_and_no_more_than_needed(m
     """On CPU vLLM allocates its whole KV cache at start and it stays resident, so the cpu profile sizes each
     (``--kv-cache-memory-bytes``): at least ``max_batch_size`` full-length sequences of the real configs (KV bytes
     per token from grafting.memory), and for the tiny speech LM far below vLLM's CPU default of 4 GiB."""
-    from grafting.memory import kv_bytes_per_token, read_config
+    from core.memory import kv_bytes_per_token, read_config
     from services.vllm_server import server_spec, speech_server_spec
 
     prof = load_profile("cpu")
@@ -113,7 +113,7 @@ GB = 10**9  # GPU sizes as sold: "80 GB" (H100/A100) and "141 GB" (H200), in dec
 
 
 def test_kv_cache_and_latent_grid_math_on_the_published_configs():
-    from grafting.memory import causal_lm_params, kv_bytes_per_token, read_config
+    from core.memory import causal_lm_params, kv_bytes_per_token, read_config
     from services.memory_plan import PUBLISHED
     from video.memory import latent_grid
 
@@ -313,7 +313,7 @@ def test_kv_formula_equals_the_cache_transformers_really_allocates():
     vocabulary keep it small: none of those enters the per-layer cache)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grafting.memory import kv_bytes_per_token, read_config
+    from core.memory import kv_bytes_per_token, read_config
     from services.memory_plan import PUBLISHED
 
     for repo in ("canopylabs/orpheus-3b-0.1-ft", "THUDM/GLM-4-9B-0414"):

@@ -18,7 +18,7 @@ from grafting.train.synth import HELD_OUT_PAIRS, DRAW, answer_choices, render, s
 def processor(model_dir):
     from transformers import Kimi_K25ImageProcessor
 
-    from grafting.build import smollm2_tokenizer
+    from core.smollm2 import smollm2_tokenizer
     from grafting.processor import GraftProcessor
 
     return GraftProcessor(smollm2_tokenizer(model_dir), Kimi_K25ImageProcessor(size={"max_height": 16, "max_width": 16}),

@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from grafting.engine import resolve_path
+from core.config import resolve_path
 from grafting.tower import build_random_tower, build_tower_config, load_tower
 from services.cli import app as cli
 from services.profiles import load_profile

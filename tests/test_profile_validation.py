@@ -86,7 +86,8 @@ def test_the_deployment_refuses_it_too():
     """A replica validates its section again (``FamilySection.model_validate``): the same check, the same key."""
     from pydantic import ValidationError
 
-    from grafting.config import ConfigFieldError, VLMConfig
+    from core.config import ConfigFieldError
+    from grafting.config import VLMConfig
     from services.profiles import FamilySection
 
     section = edited(CPU, {"vlm.engine.default_max_new_tokens": 4096})["vlm"]

@@ -213,7 +213,7 @@ def test_unknown_id_is_404(openai_client, serve_url):
     ({"seconds": "100"}, 400, "seconds", "invalid_duration"),
     ({"prompt": "p" * 2001}, 400, "prompt", "prompt_too_long"),
     ({"input_reference": ("x.png", b"this is not an image", "image/png")}, 415, "input_reference",
-     "unsupported_media_type"),
+     "unsupported_image_type"),
     ({"extra_body": {"num_frames": 8}}, 400, "num_frames", "invalid_frame_count"),
     ({"extra_body": {"num_frames": 1}}, 400, "num_frames", "invalid_frame_count"),
     ({"extra_body": {"response_format": "mp4"}}, 400, "response_format", "unsupported_parameter"),
@@ -249,7 +249,9 @@ def _b64_png(img) -> str:
     ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "http://a/b.png"}}}, 400,
      "invalid_image_url"),
     ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "data:image/png;base64,@@"}}},
-     400, "invalid_image_url"),
+     400, "invalid_base64"),                                                 # core.media's data-URL codes, as chat's
+    ("post", "/v1/videos", {"json": {"prompt": "x", "input_reference": {"image_url": "data:text/plain;base64,aGk="}}},
+     415, "unsupported_image_type"),
     ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"other": ("a.bin", b"123")}}, 400, "unexpected_file"),
     ("post", "/v1/videos", {"json": {"prompt": "x"}, "headers": {"Idempotency-Key": "k" * 300}}, 400,
      "invalid_idempotency_key"),
@@ -260,7 +262,7 @@ def _b64_png(img) -> str:
                             "files": {"input_reference": ("big.png", b"\0" * (8 * 2**20 + 1), "image/png")}}, 413,
      "too_large"),
     ("post", "/v1/videos", {"data": {"prompt": "x"}, "files": {"input_reference": ("bomb.png", "BOMB", "image/png")}},
-     413, "too_large"),
+     413, "image_too_large"),                                                # over max_image_pixels: core.media
     ("post", "/v1/videos", {"json": {"prompt": "x", "guidance_scale": "loud"}}, 400, "invalid_value"),
     # fields the service does not implement are named, never ignored (JSON, multipart, extensions)
     ("post", "/v1/videos", {"json": {"prompt": "x", "quality": "high"}}, 400, "invalid_value"),

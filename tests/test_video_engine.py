@@ -102,19 +102,24 @@ def test_plan_errors_carry_a_stable_code_across_processes(cfg, fields, code):
 def test_media_errors_carry_a_stable_code():
     import pickle
 
-    from video.media import MediaError, decode_video, load_image
+    from core.media import ImageInputError, decode_image
+    from video.media import MediaError, decode_video
 
-    with pytest.raises(MediaError) as e:
-        load_image(b"not an image", 1000, 10**6)
-    assert (e.value.status_code, e.value.code) == (415, "unsupported_media_type")
-    with pytest.raises(MediaError) as e:
-        load_image(b"x" * 2000, 1000, 10**6)
-    assert (e.value.status_code, e.value.code) == (413, "too_large")
+    with pytest.raises(ImageInputError) as e:  # the one image decoder (core.media): chat's codes
+        decode_image(b"not an image", 10**6, "input_reference", 1000)
+    assert (e.value.status_code, e.value.code) == (415, "unsupported_image_type")
+    with pytest.raises(ImageInputError) as e:
+        decode_image(b"x" * 2000, 10**6, "input_reference", 1000)
+    assert (e.value.status_code, e.value.code) == (413, "image_too_large")
     back = pickle.loads(pickle.dumps(e.value))
-    assert (back.status_code, back.code, back.param) == (413, "too_large", "input_reference")
+    assert (type(back), back.status_code, back.code, back.param) == (ImageInputError, 413, "image_too_large",
+                                                                     "input_reference")
     with pytest.raises(MediaError) as e:
         decode_video(b"not a video")
     assert (e.value.status_code, e.value.code, e.value.param) == (415, "unsupported_media_type", "video")
+    back = pickle.loads(pickle.dumps(e.value))
+    assert (type(back), back.status_code, back.code, back.param) == (MediaError, 415, "unsupported_media_type",
+                                                                     "video")
 
 
 def test_num_frames_error_suggests_neighbours(cfg):

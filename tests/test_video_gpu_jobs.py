@@ -80,7 +80,7 @@ def test_ready_means_a_worker_holds_its_engine(ray_cluster, profile, model_dir, 
     checkpoint. With the checkpoint there: True once loaded, and a job then runs."""
     import ray
 
-    from grafting.llm_client import EngineUnavailableError
+    from core.llm_client import EngineUnavailableError
     from services.videos import Deployment
 
     missing = tmp_path / "no_such_wan"

@@ -1,5 +1,5 @@
 """``audio.vllm_backend.VLLMSpeechLM.stream_tokens`` without vLLM: its private event loop finishes what the client's
-stream leaves behind. The engine client (``services.engine_client.VLLMClient.stream``) returns from inside
+stream leaves behind. The engine client (``core.vllm_client.VLLMClient.stream``) returns from inside
 ``async for line in response.aiter_lines()``, leaving httpx's line iterator to Python's async-generator finalizer,
 which schedules its ``aclose()`` on the loop; closing the loop without running it destroyed that task ("Task was
 destroyed but it is pending!": 54 times in one ``bench/tts_concurrency.py`` run, where a sentence's stream was
@@ -109,11 +109,11 @@ def test_attempts_share_one_loop_that_close_ends():
 
 
 def test_close_leaves_no_socket_to_the_engine():
-    """Issue 24 (7): syntheses' streams over the real engine client (``services.engine_client.VLLMClient``)
+    """Issue 24 (7): syntheses' streams over the real engine client (``core.vllm_client.VLLMClient``)
     against the scripted stand-in server of ``bench/tts_stream_loop.py``: after ``close()`` no connection to the
     server is left open and no loop thread runs."""
     from bench.tts_stream_loop import StandInServer, sockets_to
-    from services.engine_client import VLLMClient
+    from core.vllm_client import VLLMClient
 
     others = _loop_threads()
     with StandInServer() as server:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from grafting.build import smollm2_gguf_path
+from core.media import ImageInputError
+from core.smollm2 import smollm2_gguf_path
 from grafting.engine import VLMEngine
-from grafting.media import ImageInputError
 from grafting.processor import PromptError
 from tests.conftest import data_url
 
@@ -329,7 +329,7 @@ def test_null_message_fields_are_accepted(engine):
 def test_the_vllm_backend_takes_an_injected_client_and_only_it_does(profile, model_dir):
     """The engine starts no process of its own: ``backend="vllm"`` without ``llm_client`` (or ``transformers``
     with one) is refused before anything loads."""
-    from services.engine_client import VLLMClient
+    from core.vllm_client import VLLMClient
     from services.engine_process import ServerProcess, ServerSpec
 
     client = VLLMClient(ServerProcess(ServerSpec(python="/nonexistent/python", module="m")))  # never started

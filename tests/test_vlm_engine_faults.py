@@ -5,7 +5,7 @@ The stand-in (:data:`STAND_IN`, run by the real supervisor ``services.engine_pro
 stream line that is not JSON, before or after the first token, a logprob token that is not an id, an HTTP 500 or
 404. Each is the engine's fault, so chat must answer 500 ``engine_error`` (streamed or not; mid-stream an SSE error
 event), never a 400 blaming the client. It also counts the TCP connections it accepted, so the tests can check that
-the VLM's client (``services.engine_client.VLLMClient``) reuses one pooled connection across completions, closes a
+the VLM's client (``core.vllm_client.VLLMClient``) reuses one pooled connection across completions, closes a
 stream's connection when the stream is abandoned (that is what aborts the request in vLLM), and leaves no socket
 open once closed. No model misbehaves here: the VLM deployment is the cpu profile's (tower, projector, embedding
 table, tokenizer), only its LLM engine is the stand-in. No Ray: the deployment sits behind the real ingress app
@@ -28,7 +28,7 @@ import pytest
 
 from services.app import build_app
 from services.backends import LocalBackend
-from services.engine_client import VLLMClient
+from core.vllm_client import VLLMClient
 from services.engine_process import ServerProcess, ServerSpec
 from services.profiles import parse_profile
 
@@ -206,7 +206,7 @@ def test_an_engine_fault_is_a_500_engine_error_never_a_400(app, stand_in, mode, 
 
 
 def test_a_logprob_token_that_is_not_an_id_is_an_engine_error(stand_in):
-    from grafting.llm_client import EngineError
+    from core.llm_client import EngineError
 
     set_mode(stand_in, "bad_logprob")
 

@@ -149,7 +149,7 @@ def test_cpu_profile_serves_with_vllm(vlm_profile):
 def test_prepare_writes_an_llm_config_vllm_accepts(model_dir, tmp_path):
     """vLLM refuses the GGUF ``quantization_config`` transformers copies into the saved config; prepare drops it
     (the weights are plain fp32 safetensors) and cleans folders prepared before, leaving every other key."""
-    from grafting.build import clean_llm_config
+    from core.smollm2 import clean_llm_config
 
     cfg = json.loads((model_dir / "vlm" / "llm" / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from core.smollm2 import smollm2_tokenizer
+
 from .config import VideoConfig
 
 
@@ -58,15 +60,13 @@ def prepare(cfg: VideoConfig, model_dir: Path) -> bool:
     """Build the small cpu Wan pipeline at ``<model_dir>/<cfg.model>`` unless it is there; True if written.
 
     Idempotent (a directory holding ``model_index.json`` is left alone). A profile without a ``build`` block
-    (real checkpoints) writes nothing. Needs SmolLM2's tokenizer (``grafting.build.smollm2_tokenizer``).
+    (real checkpoints) writes nothing. Needs SmolLM2's tokenizer (``core.smollm2.smollm2_tokenizer``).
     """
     if cfg.build is None:
         return False
     out = Path(cfg.resolve(model_dir, cfg.model))
     if (out / "model_index.json").exists():
         return False
-    from grafting.build import smollm2_tokenizer
-
     tok = smollm2_tokenizer(Path(model_dir))
     tok.model_max_length = cfg.max_sequence_length
     pipe = build_pipeline(cfg, tok)

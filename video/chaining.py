@@ -58,7 +58,7 @@ class NonFiniteOutputError(RuntimeError):
 
 
 def clip_seeds(seed: int, n: int) -> list[int]:
-    """``n`` different seeds derived from ``seed`` (clip 0 uses ``seed`` itself), each in [0, 2**63)."""
+    """``n`` different seeds derived from ``seed`` (clip 0 uses ``seed`` itself), the others in [0, 2**62)."""
     g = torch.Generator().manual_seed(seed)
     return [seed] + [int(torch.randint(0, 2**62, (1,), generator=g)) for _ in range(n - 1)]
 

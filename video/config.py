@@ -14,18 +14,15 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
-from grafting.config import ConfigFieldError
+from core.config import ConfigFieldError, Strict, resolve_path
+from core.constants import DTYPE_PATTERN
 
 MAX_GUIDANCE_SCALE = 50.0  # a request's guidance_scale must be in [0, this] (video/request.py)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class VideoLimits(_Strict):
+class VideoLimits(Strict):
     """Request limits checked before a job is queued (violations are 400s, or 413 for large uploads).
 
     Sizes in pixels, durations in seconds, frames per clip, prompt length in characters, upload sizes in bytes.
@@ -44,7 +41,7 @@ class VideoLimits(_Strict):
     max_video_bytes: int = Field(256 * 1024 * 1024, gt=0)
 
 
-class VideoDefaults(_Strict):
+class VideoDefaults(Strict):
     """Values used when a request leaves them out. ``frames_per_clip`` must be 4k+1 (Wan's VAE compresses
     time by 4); a lone clip lasts ``frames_per_clip / fps`` seconds and each chained clip adds
     ``frames_per_clip - 1`` frames (the duration rule: :mod:`video.request`)."""
@@ -59,7 +56,7 @@ class VideoDefaults(_Strict):
 
 
 
-class JobOptions(_Strict):
+class JobOptions(Strict):
     """The job manager: durable store (any SQLAlchemy URL; relative SQLite paths and ``results_dir`` are
     resolved against the model dir), ``workers`` long-lived job workers each holding an engine and
     ``gpus_per_job`` GPUs (0 on the cpu profile; so a GPU profile gives video jobs ``workers`` GPUs and runs that
@@ -76,7 +73,7 @@ class JobOptions(_Strict):
     namespace: str = "chimera"
 
 
-class TransformerBuild(_Strict):
+class TransformerBuild(Strict):
     """Sizes of the small random ``WanTransformer3DModel`` (hidden = heads * head_dim)."""
 
     num_layers: int = 2
@@ -86,7 +83,7 @@ class TransformerBuild(_Strict):
     freq_dim: int = 32
 
 
-class VAEBuild(_Strict):
+class VAEBuild(Strict):
     """Sizes of the small random ``AutoencoderKLWan``. ``z_dim=48, patch_size=2, scale_factor_spatial=16``
     with ``is_residual`` is the Wan2.2 (TI2V) VAE layout; ``z_dim=16, patch_size=None, 8`` is Wan2.1's."""
 
@@ -99,7 +96,7 @@ class VAEBuild(_Strict):
     scale_factor_spatial: int = 16
 
 
-class TextEncoderBuild(_Strict):
+class TextEncoderBuild(Strict):
     """Sizes of the small random ``UMT5EncoderModel`` (SmolLM2's tokenizer, 49,152 ids, feeds it)."""
 
     d_model: int = 32
@@ -109,7 +106,7 @@ class TextEncoderBuild(_Strict):
     num_heads: int = 2
 
 
-class VideoBuild(_Strict):
+class VideoBuild(Strict):
     """What ``chimera prepare`` writes for a cpu profile (all seeded)."""
 
     transformer: TransformerBuild = TransformerBuild()
@@ -118,7 +115,7 @@ class VideoBuild(_Strict):
     seed: int = 0
 
 
-class SparseAttentionConfig(_Strict):
+class SparseAttentionConfig(Strict):
     """Defaults of the sparse self-attention; every field can be overridden per request in `begin()`.
 
     - `sparsity`: fraction of key blocks kept per query block, in (0, 1]; 1.0 means dense.
@@ -144,7 +141,7 @@ class SparseAttentionConfig(_Strict):
         return math.prod(self.tile)
 
 
-class MagCacheOptions(_Strict):
+class MagCacheOptions(Strict):
     """MagCache (Ma et al. 2025, arXiv:2506.09045; diffusers ``MagCacheConfig``): skip the transformer blocks of a
     step (reuse the last residual) while the accumulated magnitude-ratio error stays under ``threshold``.
     ``mag_ratios``: per-step ratios ``mean_tokens |r_t| / |r_t-1|`` of the residual (last block out - first block
@@ -157,14 +154,14 @@ class MagCacheOptions(_Strict):
     mag_ratios: list[float] | None = None
 
 
-class FirstBlockCacheOptions(_Strict):
+class FirstBlockCacheOptions(Strict):
     """First Block Cache (ParaAttention; diffusers ``FirstBlockCacheConfig``): run block 0, skip the others and
     reuse their residual when block 0's residual changed by less than ``threshold`` (relative mean abs)."""
 
     threshold: float = Field(0.05, gt=0)
 
 
-class TaylorSeerOptions(_Strict):
+class TaylorSeerOptions(Strict):
     """TaylorSeer (Liu et al. 2025, arXiv:2503.06923; diffusers ``TaylorSeerCacheConfig``): full compute for the
     first ``disable_cache_before_step`` steps and every ``cache_interval``-th step after; the steps between
     predict each block's output by a Taylor expansion of order ``max_order`` (factors kept in float32)."""
@@ -174,7 +171,7 @@ class TaylorSeerOptions(_Strict):
     max_order: int = Field(1, ge=1, le=4)
 
 
-class StepCacheConfig(_Strict):
+class StepCacheConfig(Strict):
     """Options of the step caches a request selects with ``cache`` (:mod:`video.cache`)."""
 
     mag: MagCacheOptions = MagCacheOptions()
@@ -182,7 +179,7 @@ class StepCacheConfig(_Strict):
     taylorseer: TaylorSeerOptions = TaylorSeerOptions()
 
 
-class FastProfile(_Strict):
+class FastProfile(Strict):
     """The ``quality: "fast"`` profile: a step-distillation LoRA fused once at engine load into a second copy of
     the transformer (the full-quality copy stays unchanged, so nothing is ever unfused), with its own scheduler,
     step count and guidance. ``lora``: a directory/file (relative to the model dir) or a hub repo id;
@@ -199,7 +196,7 @@ class FastProfile(_Strict):
     guidance_scale: float = Field(1.0, ge=0)
 
 
-class VideoConfig(_Strict):
+class VideoConfig(Strict):
     """Engine config of the Wan-style video family.
 
     ``variant``: ``ti2v`` (Wan2.2-TI2V: ``expand_timesteps``, one model for text and image input, sizes
@@ -215,8 +212,8 @@ class VideoConfig(_Strict):
     model: str = "video/wan"
     i2v_model: str | None = None
     variant: str = Field("ti2v", pattern="^(ti2v|t2v)$")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
-    vae_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    dtype: str = Field("float32", pattern=DTYPE_PATTERN)
+    vae_dtype: str = Field("float32", pattern=DTYPE_PATTERN)
     device: str = "cpu"
     flow_shift: float = Field(5.0, gt=0)
     max_sequence_length: int = Field(512, ge=1)
@@ -278,11 +275,10 @@ class VideoConfig(_Strict):
         return self
 
     def resolve(self, model_dir: str | Path, p: str) -> str:
-        """A relative directory under ``model_dir`` as an absolute path; absolute paths and hub ids unchanged."""
-        if Path(p).is_absolute() or "://" in p:
-            return p
-        local = Path(model_dir) / p
-        return str(local) if local.exists() or self.build is not None else p
+        """Where checkpoint path ``p`` points (:func:`core.config.resolve_path`): a relative directory under
+        ``model_dir`` when it exists there or this profile builds it (``build``); absolute paths, URLs and hub ids
+        unchanged."""
+        return resolve_path(model_dir, p, local=self.build is not None)
 
     @property
     def size_multiple(self) -> int:

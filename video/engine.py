@@ -25,13 +25,14 @@ import torch
 from diffusers import WanImageToVideoPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
+from core.memory import DTYPES
+
 from .cache import step_cache
 from .chaining import ChainResult, Clip, ClipFn, Handover, NonFiniteOutputError, chain_clips, clip_seeds
 from .config import VideoConfig
 from .drift import ColorStats
 from .request import VideoRequest
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -106,7 +107,7 @@ class VideoEngine:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device(device or cfg.device)
-        dtype, vae_dtype = _DTYPES[cfg.dtype], _DTYPES[cfg.vae_dtype]
+        dtype, vae_dtype = DTYPES[cfg.dtype], DTYPES[cfg.vae_dtype]
         path = cfg.resolve(model_dir, cfg.model)
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=vae_dtype)
         self.t2v = WanPipeline.from_pretrained(path, vae=vae, dtype=dtype)

@@ -1,4 +1,5 @@
-"""Media in and out of the video engine: reference images, MP4 (H.264) encode/decode, PNG thumbnails.
+"""Media in and out of the video engine: reference images to tensors, MP4 (H.264) encode/decode, PNG thumbnails.
+Uploaded images are decoded by the one image decoder, :func:`core.media.decode_image`.
 
 Frames inside the engine are float tensors ``(T, 3, H, W)`` in [0, 1]; they are quantised to uint8 only when
 written. MP4s are written with PyAV (libx264, yuv420p, ``crf``), read back with PyAV.
@@ -12,43 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
+
+from core.validate import InputError
 
 
-class MediaError(ValueError):
-    """A bad uploaded image or video. ``status_code``: 400 unreadable, 413 too large, 415 not an image/video.
+class MediaError(InputError):
+    """A bad uploaded video. ``status_code``: 400 unreadable, 413 too large, 415 not a video.
 
     ``code`` (stable, machine-readable): ``too_large`` for 413, ``unsupported_media_type`` for 415,
     ``invalid_media`` otherwise, unless given."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.param = param
-        self.code = code or {413: "too_large", 415: "unsupported_media_type"}.get(status_code, "invalid_media")
-
-    def __reduce__(self):  # keeps status, param and code when pickled across processes (Ray)
-        return (type(self), (str(self), self.status_code, self.param, self.code))
-
-
-def load_image(data: bytes, max_bytes: int, max_pixels: int, param: str = "input_reference") -> Image.Image:
-    """Decode an uploaded image (PNG, JPEG, WebP, GIF first frame, ...) to RGB.
-
-    Raises MediaError: 413 over ``max_bytes`` or ``max_pixels`` (decompression bombs are refused before
-    decoding), 415 when the bytes are not an image Pillow can read."""
-    if len(data) > max_bytes:
-        raise MediaError(f"{param}: image is {len(data)} bytes, the limit is {max_bytes}", 413, param)
-    try:
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > max_pixels:
-            raise MediaError(f"{param}: image has {img.width}x{img.height} pixels, the limit is {max_pixels}",
-                             413, param)
-        img.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as err:
-        if isinstance(err, MediaError):
-            raise
-        raise MediaError(f"{param}: not a readable image ({type(err).__name__})", 415, param) from None
-    return img.convert("RGB")
+        super().__init__(message, param,
+                         code or {413: "too_large", 415: "unsupported_media_type"}.get(status_code, "invalid_media"),
+                         status_code)
 
 
 def image_to_tensor(img: Image.Image, width: int, height: int) -> torch.Tensor:

@@ -1,18 +1,18 @@
 """GPU memory one Wan video job needs at the profile's largest clip, from the pipeline's architecture configs.
 
 Weights: the transformer and the UMT5 text encoder in ``dtype``, the VAE in ``vae_dtype``, each counted on the
-meta device (``grafting.memory.meta_params``). Activations at the largest clip the limits allow (the frame size
+meta device (``core.memory.meta_params``). Activations at the largest clip the limits allow (the frame size
 of most pixels within ``max_width``/``max_height``/``max_pixels`` on the size multiple, ``max_frames_per_clip``):
 the fp32 latent, and one transformer block's live tensors over every latent token (attention by SDPA / flex
 attention, which never stores the token x token matrix; classifier-free guidance runs its two passes one after the
-other), and the VAE decoder's top level (estimates; formulas in each :class:`~grafting.memory.Need`).
+other), and the VAE decoder's top level (estimates; formulas in each :class:`~core.memory.Need`).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from grafting.memory import DTYPE_BYTES, Need, meta_params
+from core.memory import DTYPE_BYTES, Need, meta_params
 
 from .config import VideoConfig
 

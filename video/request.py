@@ -29,16 +29,16 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from grafting.unicode import find_invalid_unicode
+from core.validate import InputError, check_seed, find_invalid_unicode
 
 from .config import VideoConfig
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 
 
-class RequestError(ValueError):
+class RequestError(InputError):
     """A request field is invalid; ``param`` names it, ``code`` is a stable machine-readable reason (the HTTP
     layer answers 400 with both). Codes: ``invalid_value`` (default), ``invalid_size``, ``invalid_frame_count``,
     ``invalid_duration``, ``prompt_too_long``, ``unsupported_input``, ``unsupported_parameter`` (a field this
@@ -46,15 +46,8 @@ class RequestError(ValueError):
     ``invalid_unicode`` (text with a lone UTF-16 surrogate), and
     ``missing_required_parameter``."""
 
-    status_code = 400
-
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-    def __reduce__(self):  # keeps param and code when pickled across processes (Ray)
-        return (type(self), (str(self), self.param, self.code))
+        super().__init__(message, param, code)
 
 
 class VideoParams(BaseModel):
@@ -75,7 +68,7 @@ class VideoParams(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     negative_prompt: str | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = None  # range: core.validate.check_seed, after parsing
     sparsity: float | None = None
     drift_correction: bool = True
     quality: str | None = None
@@ -222,7 +215,8 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
     (``unsupported_parameter``), text with a lone surrogate (``invalid_unicode``), unknown ``size`` strings,
     ``size`` and ``width``/``height`` that disagree, sizes not multiples of ``cfg.size_multiple`` or over the
     limits, ``seconds`` <= 0 or over ``max_seconds``, ``num_frames`` under 5 or not 4k+1 or over the limit, too
-    many clips, prompt too long, ``sparsity`` outside (0, 1], image input on a model without image-to-video,
+    many clips, prompt too long, ``seed`` not an integer with ``|seed| < 2**63``, ``sparsity`` outside (0, 1],
+    image input on a model without image-to-video,
     ``quality`` not in :data:`QUALITIES` or ``cache`` not in :data:`CACHES` (``invalid_value``), ``quality
     "fast"`` on a profile without a fast profile or ``cache "mag"`` without calibrated ratios
     (``unsupported_value``). ``quality "fast"`` takes its step count and guidance from ``cfg.fast`` unless given.
@@ -239,6 +233,7 @@ def plan_request(cfg: VideoConfig, fields: dict, has_image: bool = False, contin
         p = VideoParams.model_validate(fields)
     except ValidationError as err:
         raise _first_error(err) from None
+    check_seed(p.seed, RequestError)
     lim, d = cfg.limits, cfg.defaults
     if not p.prompt.strip():
         raise RequestError("prompt must not be empty", "prompt")

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import torch
 
+from core.memory import DTYPES
+
 from ..config import ImageTokens
 from ..model import GraftedVLM
 from ..processor import GraftProcessor
 from ..projector import GraftProjector, GraftProjectorConfig
-from .config import DTYPES, GraftModelConfig, TrainConfig
+from .config import GraftModelConfig, TrainConfig
 
 
 # -- loading ----------------------------------------------------------------------------------------

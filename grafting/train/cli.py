@@ -156,12 +156,13 @@ def export(checkpoint: Path = typer.Option(..., help="trained checkpoint folder 
            name: str = typer.Option(..., help="folder name under grafting/assets"),
            dtype: str = typer.Option("float16", help="storage dtype of tower and projector weights")):
     """Copy a trained projector and its tower into ``grafting/assets/<name>`` (``build.shipped_graft``)."""
-    import torch
     from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel
+
+    from core.memory import DTYPES
 
     from ..projector import GraftProjector
 
-    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    dt = DTYPES[dtype]
     g = json.loads((checkpoint / "graft.json").read_text())
     dest = ASSETS / name
     shutil.rmtree(dest, ignore_errors=True)

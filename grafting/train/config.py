@@ -7,17 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from core.config import Strict as _Strict
+from core.constants import DTYPE_PATTERN
 
 from ..config import ImageTokens
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 class GraftModelConfig(_Strict):
@@ -32,8 +28,8 @@ class GraftModelConfig(_Strict):
     image_tokens: ImageTokens = ImageTokens()
     max_image_side: int = Field(224, ge=28)
     max_prompt_tokens: int = 1024
-    llm_dtype: str = Field("bfloat16", pattern="^(float32|bfloat16|float16)$")
-    tower_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    llm_dtype: str = Field("bfloat16", pattern=DTYPE_PATTERN)
+    tower_dtype: str = Field("float32", pattern=DTYPE_PATTERN)
     projector_mid_size: int | None = None
     init_projector: str | None = None
     meta_llm_config: dict | None = None

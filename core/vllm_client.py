@@ -1,9 +1,9 @@
 """The typed HTTP client of a supervised vLLM OpenAI server (``/v1/completions`` with vLLM's extensions).
 
-:class:`VLLMClient` implements :class:`grafting.llm_client.LLMClient` over a :class:`ServerProcess`
-(``services/engine_process.py``): the VLM deployment starts the server and hands the engine this client (next the
-speech LM). The request body is built by the caller (``grafting.vllm_backend.CompletionRequest``); the stream is
-parsed into :class:`~grafting.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
+:class:`VLLMClient` implements :class:`core.llm_client.LLMClient` over a :class:`Server` (the service's
+``services.engine_process.ServerProcess``): the VLM and speech deployments start the server and hand the engine this
+client. The request body is built by the caller (``grafting.vllm_backend.CompletionRequest``); the stream is
+parsed into :class:`~core.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
 ``CompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
 ``--enable-prompt-embeds``), ``return_token_ids`` (each chunk carries its new token ids),
 ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``, so alternatives are identified by id, not
@@ -15,7 +15,7 @@ Connections: one pooled ``httpx.AsyncClient`` per :class:`VLLMClient` (one per e
 alive between completions (at most ``max_connections``); a stream closed before its end closes its connection
 (HTTP/1.1 cannot reuse it mid-response), which is what aborts the request in vLLM. See :class:`VLLMClient`.
 
-Errors (declared in ``grafting/llm_client.py``, where the engine catches them): EngineUnavailableError (HTTP 503,
+Errors (declared in ``core/llm_client.py``, where the engines catch them): EngineUnavailableError (HTTP 503,
 code ``engine_unavailable``: the engine cannot be reached, dropped the connection mid-request, e.g. its process
 died, or answered 503), EngineRequestError (the engine refused the request with a 400: e.g. a JSON schema its
 grammar compiler cannot handle; HTTP 400) and EngineError (HTTP 500 ``engine_error``: any other status from the
@@ -28,15 +28,30 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from grafting.llm_client import CompletionChunk, EngineError, EngineRequestError, EngineUnavailableError, TokenLogprob
-
-from .engine_process import ServerProcess
+from .llm_client import CompletionChunk, EngineError, EngineRequestError, EngineUnavailableError, TokenLogprob
 
 TOKEN_ID_PREFIX = "token_id:"
+
+
+class Server(Protocol):
+    """The supervised server a :class:`VLLMClient` talks to (``services.engine_process.ServerProcess``):
+    ``base_url`` (``http://host:port``, read per request: it moves after a failed start), ``state`` (``ready`` |
+    ``starting`` | ``restarting`` | ``failed`` | ``stopped``), ``wait_ready(timeout)`` (True once ready, False on
+    failed/stopped/``timeout`` seconds) and ``stop()`` (idempotent)."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def stop(self) -> None: ...
 
 
 def _token_id(s: str) -> int:
@@ -128,7 +143,7 @@ class VLLMClient:
     :func:`_closes_with_loop`), or at once on its loop if that still runs in another thread. ``aclose()`` closes
     the pool (the server keeps running)."""
 
-    def __init__(self, server: ServerProcess, timeout_s: float = 600.0, max_connections: int = 64):
+    def __init__(self, server: Server, timeout_s: float = 600.0, max_connections: int = 64):
         self.server = server
         self.timeout = httpx.Timeout(timeout_s, connect=5.0, pool=None)
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)

@@ -1,11 +1,11 @@
-"""What the VLM engine's ``vllm`` backend needs from a language-model engine process: the :class:`LLMClient`
-protocol, the chunks it streams, and the errors it raises.
+"""What an engine needs from a language-model engine process: the :class:`LLMClient` protocol, the chunks it
+streams, and the errors it raises (the VLM's and the speech LM's ``vllm`` backends alike).
 
 Model code never imports ``services/``: the serving layer starts and owns the engine process (vLLM's
-OpenAI-compatible server, ``services/engine_process.py``) and implements this protocol over HTTP
-(``services/engine_client.py``); :class:`grafting.engine.VLMEngine` receives such a client by injection
-(``from_config(..., backend="vllm", llm_client=...)``) and sends it plain vLLM ``/v1/completions`` request bodies
-(:class:`grafting.vllm_backend.CompletionRequest`).
+OpenAI-compatible server, ``services/engine_process.py``) and hands the engine a client of it
+(:class:`core.vllm_client.VLLMClient`, over HTTP); :class:`grafting.engine.VLMEngine` and
+:class:`audio.engine.TTSEngine` receive such a client by injection and send it plain vLLM ``/v1/completions``
+request bodies (:class:`grafting.vllm_backend.CompletionRequest`, ``audio/vllm_backend.py``).
 """
 
 from __future__ import annotations
