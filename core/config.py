@@ -4,6 +4,7 @@ server options (:class:`VLLMOptions`, with its speculative-decoding blocks) and 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -28,6 +29,18 @@ class ConfigFieldError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field, self.reason = field, message
+
+
+PROJECT_DIR_ENV = "CHIMERA_HOME"  # where a profile's relative paths point (exported to every Ray worker)
+
+
+def project_dir() -> Path:
+    """The directory a profile's relative paths (``model_dir``, ``vllm.python``) are resolved against:
+    ``$CHIMERA_HOME`` when set (``services.serve_app.init_ray`` exports the directory ``chimera serve`` started in to
+    every Ray worker), else the current directory. Never the installed package's location, so a ``pip install .``
+    (not editable) finds the ``.chimera/`` and ``.venv-vllm`` of the project it runs in (docs/operations/install.md).
+    """
+    return Path(os.environ.get(PROJECT_DIR_ENV) or os.getcwd())
 
 
 def resolve_path(model_dir: str | Path | None, p: str, local: bool = False) -> str:
@@ -78,7 +91,8 @@ Speculation = Annotated[NgramSpeculation | DraftSpeculation, Field(discriminator
 class VLLMOptions(Strict):
     """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/vllm_server.py``).
 
-    ``python``: the vLLM venv's interpreter (relative paths are resolved against the repository root;
+    ``python``: the vLLM venv's interpreter (a relative path is resolved against the project directory,
+    ``$CHIMERA_HOME`` or the directory ``chimera serve`` started in; ``$CHIMERA_VLLM_PYTHON`` overrides it;
     ``make install`` builds ``.venv-vllm``). ``dtype``: the engine's dtype (None: the engine's ``dtype``).
     ``tensor_parallel_size``: GPUs the LLM is split over (the deployment's ``num_gpus``). ``enforce_eager``: no
     graph compilation (cpu: about 11 s start-up instead of about 50 s on 2 cores). ``enable_prefix_caching``:

@@ -8,6 +8,7 @@ deployment options. A wrong key or value raises :class:`ProfileError` naming the
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -16,11 +17,11 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from audio.config import TTSConfig
-from core.config import ConfigFieldError, Strict
+from core.config import ConfigFieldError, Strict, project_dir
 from grafting.config import VLMConfig
 from video.config import VideoConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(str(importlib.resources.files("configs")))  # package data: installed with the package
 E = TypeVar("E", bound=BaseModel)
 
 
@@ -142,8 +143,9 @@ class Profile(Strict):
         return self
 
     def resolved_model_dir(self) -> Path:
-        """The model directory as an absolute path (``CHIMERA_MODEL_DIR`` overrides the profile)."""
-        return Path(os.environ.get("CHIMERA_MODEL_DIR") or self.model_dir).expanduser().resolve()
+        """The model directory as an absolute path (``CHIMERA_MODEL_DIR`` overrides the profile; a relative one is
+        under :func:`core.config.project_dir`)."""
+        return (project_dir() / Path(os.environ.get("CHIMERA_MODEL_DIR") or self.model_dir).expanduser()).resolve()
 
     def families(self) -> dict[str, FamilySection]:
         """The configured sections by family name (``vlm``, ``video``, ``tts``), in that order."""

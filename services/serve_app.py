@@ -71,6 +71,7 @@ def init_ray(profile: Profile, **overrides: Any) -> None:
     import json
 
     from .edge import LIMITS_ENV
+    from core.config import PROJECT_DIR_ENV, project_dir
 
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
     os.environ[LIMITS_ENV] = json.dumps(profile.server.limits.body_limits())  # the proxy's edge limits
@@ -86,7 +87,8 @@ def init_ray(profile: Profile, **overrides: Any) -> None:
             kwargs["num_gpus"] = profile.ray.num_gpus
     kwargs.update(overrides)
     kwargs.setdefault("runtime_env", {"env_vars": {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
-                                                   LIMITS_ENV: os.environ[LIMITS_ENV]}})
+                                                   LIMITS_ENV: os.environ[LIMITS_ENV],
+                                                   PROJECT_DIR_ENV: str(project_dir().resolve())}})
     ray.init(**kwargs)
 
 

@@ -10,20 +10,31 @@ this module.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+from audio import vllm_ext
 from audio.config import TTSConfig
-from core.config import VLLMOptions, resolve_path
+from core.config import VLLMOptions, project_dir, resolve_path
 from core.constants import SERVED_NAME
 from core.vllm_client import VLLMClient
 from grafting.config import VLMConfig
 
 from .engine_process import ServerProcess, ServerSpec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-SPEECH_EXT = str(REPO_ROOT / "audio" / "vllm_ext")  # chimera_frame_constraint, importable in .venv-vllm
+SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
+VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
+
+
+def vllm_python(python: str) -> str:
+    """The vLLM environment's interpreter for the profile's ``vllm.python``: ``$CHIMERA_VLLM_PYTHON`` when set (it
+    overrides the profile, as ``CHIMERA_MODEL_DIR`` does the model directory); else ``python`` when absolute; else
+    ``python`` under :func:`core.config.project_dir` (the default ``.venv-vllm/bin/python`` is what ``make install`` builds)."""
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return os.environ[VLLM_PYTHON_ENV]
+    return python if Path(python).is_absolute() else str(project_dir() / python)
 
 
 def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
@@ -54,7 +65,7 @@ def speech_server_spec(config: TTSConfig, lm_path: str) -> ServerSpec:
 
 def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seqs: int, family_args: list[str],
           family_env: dict[str, str]) -> ServerSpec:
-    python = o.python if Path(o.python).is_absolute() else str(REPO_ROOT / o.python)
+    python = vllm_python(o.python)
     args = ["--model", path, "--served-model-name", SERVED_NAME, "--dtype", o.dtype or dtype,
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--tensor-parallel-size", str(o.tensor_parallel_size), "--generation-config", "vllm",

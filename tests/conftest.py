@@ -35,8 +35,9 @@ from services.readiness import wait_ready  # noqa: E402
 SERVICE_FILES = {"test_cli_serve.py", "test_crash_recovery.py", "test_cluster_config.py"}
 # Test files that start a real vLLM server in this process (``.venv-vllm``).
 VLLM_FILES = {"test_vlm_vllm.py", "test_tts_vllm.py"}
-# Test files that execute notebooks, run real-size dry runs or supervise process groups.
-SLOW_FILES = {"test_graft_notebook.py", "test_video_notebook.py", "test_engine_process.py", "test_fullsize.py"}
+# Test files that execute notebooks, run real-size dry runs, supervise process groups or build the wheel.
+SLOW_FILES = {"test_graft_notebook.py", "test_video_notebook.py", "test_engine_process.py", "test_fullsize.py",
+              "test_packaging.py"}
 E2E_FIXTURES = {"serve_url", "openai_client", "ray_cluster"}
 
 
