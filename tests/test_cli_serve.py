@@ -119,7 +119,8 @@ def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
         assert "shutting down" in text
         lower = text.lower()
         assert not any(w in lower for w in UNCLEAN), text[-3000:]
-        assert "Traceback" not in text, text[-3000:]
+        at = text.find("Traceback")
+        assert at < 0, text[max(0, at - 500):at + 4000]  # the traceback itself, not the log's tail
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

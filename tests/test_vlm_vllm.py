@@ -1,7 +1,8 @@
 """The VLM's ``vllm`` backend against the ``transformers`` reference, both through HTTP with the openai SDK.
 
-Two VLM deployments of the cpu profile run in this process (no Ray, so no e2e lock): one with ``backend: vllm``
-(the cpu profile's own: vLLM's server in .venv-vllm, fp32, eager), one with ``backend: transformers``. Each sits
+Three VLM deployments of the cpu profile run in this process (no Ray, so no e2e lock): one with ``backend: vllm``
+(the cpu profile's own: vLLM's server in .venv-vllm, fp32, eager), one with ``backend: transformers``, and one on
+vLLM with n-gram speculation (its server starts beside the first, for the speculation test). Each sits
 behind the real ingress app (``services.app.build_app``) driven over ``httpx.ASGITransport`` by
 ``openai.AsyncOpenAI``. Greedy fp32 answers must agree token for token, with and without images, streamed and
 not; logprobs agree within :data:`LOGPROB_TOL`; structured outputs always parse and match their schema.
@@ -45,17 +46,32 @@ def vlm_profile(profile):
     return parse_profile(data)
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
 @pytest.fixture(scope="module")
-def deployments(vlm_profile, model_dir):
-    """``{"vllm": Deployment, "transformers": Deployment}`` of the cpu profile's VLM section."""
+def servers(vlm_profile, model_dir):
+    """The module's three VLM deployments of the cpu profile's VLM section: ``vllm`` (as shipped), ``transformers``
+    (the reference) and ``ngram`` (vLLM with n-gram speculation, :data:`NGRAM`). Both vLLM servers start at once
+    (constructing a deployment starts its server; waiting is up to the fixtures below), so the second start overlaps
+    the first instead of following it."""
     section = vlm_profile.vlm.model_dump(mode="json")
     assert section["engine"]["backend"] == "vllm"  # what the cpu profile serves with
-    ref = copy.deepcopy(section)
+    ref, spec = copy.deepcopy(section), copy.deepcopy(section)
     ref["engine"]["backend"] = "transformers"
-    deps = {"vllm": Deployment(section, str(model_dir)), "transformers": Deployment(ref, str(model_dir))}
-    assert deps["vllm"].engine.wait_ready(600), deps["vllm"].server.log_tail()
+    spec["engine"]["vllm"]["speculative"] = NGRAM
+    deps = {"vllm": Deployment(section, str(model_dir)), "ngram": Deployment(spec, str(model_dir)),
+            "transformers": Deployment(ref, str(model_dir))}
     yield deps
     deps["vllm"].engine.close()
+    deps["ngram"].engine.close()
+
+
+@pytest.fixture(scope="module")
+def deployments(servers):
+    """``{"vllm": Deployment, "transformers": Deployment}``, vLLM's server ready."""
+    assert servers["vllm"].engine.wait_ready(600), servers["vllm"].server.log_tail()
+    return {"vllm": servers["vllm"], "transformers": servers["transformers"]}
 
 
 def run(deployments, vlm_profile, fn):
@@ -372,38 +388,33 @@ def test_a_repeated_image_prompt_recomputes_at_most_one_kv_block(deployments, vl
     assert 1 <= prompt_tokens - (h1 - h0) <= block, (prompt_tokens, h1 - h0)
 
 
-def test_ngram_speculative_decoding_gives_the_same_greedy_tokens(deployments, vlm_profile, model_dir):
+def test_ngram_speculative_decoding_gives_the_same_greedy_tokens(deployments, servers, vlm_profile):
     """``vlm.engine.vllm.speculative`` (n-gram, k=4) reaches vLLM, proposes and has drafts accepted, and the greedy
     answers equal the plain vllm deployment's token for token: verification keeps exactly the target's argmax
     tokens, so speculative decoding is lossless under greedy sampling. Logprobs are not compared: the verify pass
     scores several positions in one forward, so its sums are ordered differently (rounding only)."""
     import re
 
-    section = vlm_profile.vlm.model_dump(mode="json")
-    section["engine"]["vllm"]["speculative"] = {"method": "ngram", "num_speculative_tokens": 4,
-                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    spec = Deployment(section, str(model_dir))
-    try:
-        assert "--speculative-config" in spec.server.spec.args
-        assert spec.engine.wait_ready(600), spec.server.log_tail()
-        passage = ("The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the warm sun. "
-                   "The warm sun shines on the quiet river.")
-        prompts = {"copy": [{"role": "user", "content": f"Repeat this text exactly, twice:\n{passage}"}],
-                   "capital": [{"role": "user", "content": "What is the capital of France?"}],
-                   "colours": [{"role": "user", "content": "List three colours."}]}
+    spec = servers["ngram"]
+    assert "--speculative-config" in spec.server.spec.args
+    assert spec.engine.wait_ready(600), spec.server.log_tail()
+    passage = ("The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the warm sun. "
+               "The warm sun shines on the quiet river.")
+    prompts = {"copy": [{"role": "user", "content": f"Repeat this text exactly, twice:\n{passage}"}],
+               "capital": [{"role": "user", "content": "What is the capital of France?"}],
+               "colours": [{"role": "user", "content": "List three colours."}]}
 
-        async def go(clients):
-            # not streamed: streamed and one-shot answers are the same tokens (test_greedy_answers_equal_...)
-            return {(name, False): [await answer(clients[b], msgs, False) for b in ("spec", "vllm")]
-                    for name, msgs in prompts.items()}
+    async def go(clients):
+        # not streamed: streamed and one-shot answers are the same tokens (test_greedy_answers_equal_...)
+        return {(name, False): [await answer(clients[b], msgs, False) for b in ("spec", "vllm")]
+                for name, msgs in prompts.items()}
 
-        results = run({"spec": spec, "vllm": deployments["vllm"]}, vlm_profile, go)
-        text = httpx.get(f"{spec.server.base_url}/metrics", timeout=10).text
+    results = run({"spec": spec, "vllm": deployments["vllm"]}, vlm_profile, go)
+    text = httpx.get(f"{spec.server.base_url}/metrics", timeout=10).text
 
-        def metric(name: str) -> float:
-            return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-    finally:
-        spec.engine.close()
+    def metric(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
     for (name, stream), (got, ref) in results.items():
         assert ref["usage"][1] >= 8, (name, ref)
         assert [t[0] for t in got["tokens"]] == [t[0] for t in ref["tokens"]], (name, stream)
