@@ -333,19 +333,25 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 @lru_cache(maxsize=1)
 def cpu_kernel() -> str:
-    """The kernel the gather backend runs its batches of query blocks on, chosen once per process from the CPU.
+    """The kernel the gather backend runs its query blocks on, chosen once per process from the CPU.
 
-    - "flash": ATen's fused CPU flash-attention kernel (what dense `F.scaled_dot_product_attention` runs), on
-      [G, 1, rows, D] x [G, 1, keys, D] batches; it returns the log-sum-exp the parts are merged with. Below 192
-      query rows it tiles the rows by 32, so each of its GEMMs re-packs a 512-key tile of K for 32 rows.
-    - "bmm": scores by one batched GEMM (`baddbmm`, whole 128-row query blocks: K is packed once per block), then
-      max, exp in place, sum, P @ V by a second batched GEMM and one division per output row.
+    - "bmm": scores by one GEMM per query block (whole 128-row blocks: each K tile is packed once per block),
+      exp in place (without the max subtraction when the scores are provably within +-64, see `_attend`), row
+      sums, P @ V by a second GEMM and one division per output row.
+    - "flash": ATen's fused CPU flash-attention kernel (what dense `F.scaled_dot_product_attention` runs), per
+      query block. Below 192 query rows it tiles the rows by 32, so each of its GEMMs re-packs a 512-key tile
+      of K for 32 rows only.
 
-    Returns the kernel measured faster on the CPU's instruction set (`torch.backends.cpu.get_cpu_capability()`,
-    which honours ATEN_CPU_CAPABILITY): see `bench/sparse_attention.py`, which prints the CPU's model and flags and
-    times both (`--kernels`). Both are exact to fp32 rounding (tests/test_sparse_attention.py).
+    Returns "bmm" where ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`, which honours
+    ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both
+    kernels side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread: 472 vs
+    537 ms on AVX512, 690 vs 739 ms with AVX2 emulated on the same CPU). "flash" elsewhere (not measured; the
+    fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the value
+    head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
+    kernels are exact to fp32 rounding (tests/test_sparse_attention.py, against a float64 reference).
     """
-    return "flash" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "bmm"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "bmm" if capability.startswith(("AVX2", "AVX512")) else "flash"
 
 
 # |score| <= _EXP_RANGE keeps exp(score) and sums of up to 1e10 such terms inside float32's normal range
@@ -369,7 +375,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ker
         o, lse = _FLASH_CPU(q[:, None], k[:, None], v[:, None], scale=scale)
         return o[:, 0], lse[:, 0]
     G, M, L = q.shape[0], q.shape[1], k.shape[1]
-    s = torch.bmm(q.mul_(scale), k.transpose(1, 2), out=None if scratch is None else scratch[:G * M * L].view(G, M, L))
+    if scale != 1.0:
+        q = q.mul_(scale)
+    s = torch.bmm(q, k.transpose(1, 2), out=None if scratch is None else scratch[:G * M * L].view(G, M, L))
     m = None if bounded else s.amax(-1, keepdim=True)
     (s if bounded else s.sub_(m)).exp_()
     total = s.sum(-1, keepdim=True)
@@ -464,7 +472,7 @@ def compact_block_attention(
             ks, vs = key[:, :, lo:lo + P], value[:, :, lo:lo + P]
         else:
             ks, vs = key.index_select(2, shared), value.index_select(2, shared)
-        if kernel == "flash" and D == Dv:
+        if D == Dv:  # the fused kernel on a dense [N x P] problem: faster than "bmm" on AVX2 and AVX512 alike
             out_s, lse_s = _FLASH_CPU(query, ks, vs, scale=scale)
         else:  # per head, row chunks whose scores stay in cache; out_s in [B, N, H, Dv] memory order
             out_s, lse_s = query.new_empty(B, N, H, Dv).transpose(1, 2), query.new_empty(B, N, H).transpose(1, 2)
@@ -498,7 +506,8 @@ def compact_block_attention(
     k_head = ub_head.repeat_interleave(counts_c[ub])
     q_tok = order.cpu()[_ranges(starts_c[qblk], rows)]
     q_head = head.repeat_interleave(rows)
-    (qf, q_row), (kf, k_row), (vf, v_row) = (_row_view(x) for x in (query, key, value))
+    # queries pre-scaled once (one pass) instead of per call
+    (qf, q_row), (kf, k_row), (vf, v_row) = (_row_view(x) for x in (query * scale, key, value))
     k_head, k_tok, q_head, q_tok = (t.to(dev) for t in (k_head, k_tok, q_head, q_tok))
     q_idx, k_idx = q_row[q_head, q_tok], k_row[k_head, k_tok]
     v_idx = k_idx if torch.equal(v_row, k_row) else v_row[k_head, k_tok]
@@ -521,7 +530,7 @@ def compact_block_attention(
             m, (_, _, off, n) = rows[e], spans[e]
             qb = torch.index_select(qf, 0, q_idx[q_off[e]:q_off[e] + m], out=q_buf[:m])
             dst = None if out_e is None else out_e[q_off[e]:q_off[e] + m][None]
-            o, lse = _attend(qb[None], kb[None, off:off + n], vb[None, off:off + n], scale, kernel, dst, bounded,
+            o, lse = _attend(qb[None], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, dst, bounded,
                              scratch)
             if out_e is None:
                 outs.append(o[0])
