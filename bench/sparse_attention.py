@@ -264,6 +264,9 @@ def main() -> None:
     if args.sizes:
         grids = [grids[int(i)] for i in args.sizes.split(",")]
     backends = (args.backends or ("flex" if device.type == "cuda" else "flex,gather")).split(",")
+    if args.isa_child in ISA_ENV and not args.backends:
+        # compiled flex failed under the emulation here (inductor CPU kernel: index out of bounds at 4,032 tokens)
+        backends = ["gather"]
     if "gather" in backends and device.type == "cpu":  # one column per gather kernel
         kernels = (args.kernels or "flash,bmm").split(",")
         i = backends.index("gather")

@@ -257,7 +257,8 @@ def test_gather_backend_equals_flex_on_the_same_mask(grid, sparsity):
 
 
 def test_gather_backend_groups_heads_and_takes_another_value_dim():
-    """A tiny working-set budget splits 6 heads into groups of one; value head dim 48 != query head dim 16."""
+    """Value head dim 48 != query head dim 16 (the shared part then runs on "bmm"; a tiny budget cuts it into
+    64-row chunks); 2 x 3 heads."""
     n, bs = 1000, 128  # 8 blocks, 24 padded positions
     nb = -(-n // bs)
     g = torch.Generator().manual_seed(5)

@@ -14,9 +14,11 @@ What it does, per self-attention call of a denoising step:
 3. Attention over the kept blocks only, by one of two backends with the same mask and result:
    - "flex": `torch.nn.attention.flex_attention` with that `BlockMask`. Compiled (`torch.compile`), it skips
      masked blocks on CPU and GPU alike (on GPU a Triton kernel); eager flex computes densely, a reference only.
-   - "gather": per query block, its kept key/value blocks are gathered into one buffer and attention runs as
-     batched BLAS GEMMs (`gathered_block_attention`). On CPU this is ~1.4x faster than compiled flex, whose CPU
-     template multiplies fp32 tiles with a 1x16 register micro-kernel.
+   - "gather": on the real tokens only (no padding computed), the first frame's blocks, kept by every row, in
+     one dense call of ATen's fused kernel; per query block, its other kept key/value blocks gathered into one
+     buffer (shared with a paired neighbouring block) and attention as two BLAS GEMMs with the softmax between
+     (`compact_block_attention`); the parts merged exactly through their log-sum-exps. On CPU this is ~1.2x
+     faster than compiled flex, whose CPU template multiplies fp32 tiles with a 1x16 register micro-kernel.
    "auto" (default) picks flex on CUDA and gather elsewhere. No CUDA-only code either way.
 4. The output is permuted back to frame-major order. Cross-attention (`encoder_hidden_states` given), the first
    `dense_fraction` of denoising steps, and `dense_layers` run diffusers' dense processor unchanged.
@@ -437,9 +439,11 @@ def compact_block_attention(
     arXiv:2205.14135) and of Sparse VideoGen's sink/rest split (arXiv:2502.01776):
     - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame); all query
       rows of all heads attend to them in one call of the fused kernel (a dense [N x P] problem: its best tiles).
-    - variable: the other kept blocks of each (head, query block). Their keys and values are gathered into one
-      buffer; query blocks with the same (query rows, kept keys) are batched into one call [G, rows, D] x [G,
-      keys, D] on `kernel`, G bounded by `budget_bytes` (the gathered K/V of a call stay in the core's cache).
+    - variable: the other kept blocks of each (head, query block). A head's query blocks are paired greedily by
+      the keys their kept blocks share (neighbouring blocks keep mostly the same ones); a pair's keys and values
+      are gathered once into one buffer ordered [only A's, both, only B's], so that each block's keys are one
+      contiguous slice of it, and each block runs one call [1, rows, D] x [1, keys, D] on `kernel` (the second
+      one reads the shared keys from cache).
     Outputs land in [B, N, H, Dv] memory order, the processor's next layout; one gather puts them there.
 
     Args:
@@ -448,7 +452,7 @@ def compact_block_attention(
         indices: int [B, H, n_blocks, >= n_keep]; the first `n_keep` per row are the kept key blocks, the first
             `shared_blocks` of them 0 .. shared_blocks - 1 (not checked here).
         n_keep, shared_blocks: kept blocks per row and the shared prefix of them.
-        budget_bytes: bound on one call's gathered keys/values (+ scores for "bmm").
+        budget_bytes: bound on the scores of one row chunk of the shared part where it runs on "bmm" (Dv != D).
         kernel: "flash" or "bmm" for the variable part (`cpu_kernel()` when None); the shared part runs on the
             flash kernel (the "bmm" one where Dv != D).
         order: int64 [N], a permutation: the token (index along dim 2) at each block position; None = identity.
@@ -623,7 +627,7 @@ def gathered_block_attention(
         valid: bool [S_pad], real tokens (None: all real); padding slots are never attended to, and their query
             rows are not computed (zeros in the output).
         shared_blocks: leading kept entries equal to 0, 1, ..., shared_blocks - 1 in every row (checked).
-        budget_bytes: bound on one call's gathered keys and values (and scores for the "bmm" kernel).
+        budget_bytes: bound on the scores of one row chunk of the shared part where it runs on "bmm" (Dv != D).
         kernel: "flash" or "bmm" (`cpu_kernel()` when None).
 
     Returns:
