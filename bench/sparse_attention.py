@@ -28,14 +28,25 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's packages
 
-from video.sparse_attention import (
+# --isa avx2 emulates an AVX2-only CPU: ATen's kernels, MKL and oneDNN are capped before torch is imported
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}}
+if "--isa-child" in sys.argv:
+    os.environ.update(ISA_ENV.get(sys.argv[sys.argv.index("--isa-child") + 1], {}))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from video import sparse_attention as sa  # noqa: E402
+from video.sparse_attention import (  # noqa: E402
     _tile_slots,
     block_locality,
     block_sparse_attention,
@@ -153,6 +164,16 @@ def timed(fns: dict, repeats: int, device) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def with_kernel(kernel: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the gather backend's kernel forced to `kernel` ("flash" or "bmm")."""
+    chosen = sa.cpu_kernel
+    sa.cpu_kernel = lambda: kernel
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        sa.cpu_kernel = chosen
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (Frobenius, in float32)."""
     return float((a.float() - b.float()).norm() / b.float().norm())
@@ -162,6 +183,49 @@ def slope(xs, ys) -> float:
     """Least-squares slope of log(ys) against log(xs): the growth exponent."""
     lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
     return float(np.polyfit(lx, ly, 1)[0])
+
+
+def cpu_header() -> str:
+    """The CPU's model name and its SIMD/AMX flags from /proc/cpuinfo, and ATen's CPU capability."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()
+        flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
+    except (OSError, AttributeError):
+        pass
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16", "amx_int8")
+             if f in flags]
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                                     "DNNL_MAX_CPU_ISA") if k in os.environ)
+    return (f"cpu: {model}; flags: {' '.join(shown) or 'none of avx2/avx512f/amx'}; ATen capability: "
+            f"{torch.backends.cpu.get_cpu_capability()}{' (emulated: ' + env + ')' if env else ''}; "
+            f"gather kernel chosen: {sa.cpu_kernel()}")
+
+
+def kept_flops(q: torch.Tensor, k: torch.Tensor, grid, keep: float, tile=(2, 8, 8)) -> float:
+    """FLOPs of the kept blocks, real tokens only: sum over heads and query blocks of 4 * rows * keys * head_dim
+    (the same count as dense: 4 * N^2 * head_dim per head)."""
+    layout = tile_layout(tuple(grid), tile)
+    qt, kt = (layout.to_tiles(x.float()) for x in (q, k))
+    forced = torch.arange(layout.n_blocks, device=q.device) < layout.first_frame_blocks
+    idx, n_keep = select_blocks(qt, kt, layout.block_size, keep, forced, layout.valid.to(q.device), zero_padding=True)
+    counts = layout.valid.view(-1, layout.block_size).sum(-1).to(q.device)
+    keys = counts[idx[..., :n_keep].long()].sum(-1)  # [B, H, nb]
+    return float((4 * q.shape[-1] * counts * keys).sum())
+
+
+def run_isas(isas: list[str]) -> None:
+    """Re-run this bench once per instruction set in a subprocess (the env must be set before torch loads)."""
+    argv = [a for a in sys.argv[1:]]
+    i = argv.index("--isa")
+    del argv[i:i + 2]
+    for isa in isas:
+        print(f"=== ISA {isa}{' (emulated on this CPU: same cores, caches, memory and clocks)' if isa in ISA_ENV else ''}",
+              flush=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--isa-child", isa], check=True)
+
 
 
 @torch.no_grad()
@@ -178,9 +242,18 @@ def main() -> None:
     ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
     ap.add_argument("--backends", default=None, help="comma-separated: flex,gather (CPU default), flex (CUDA)")
     ap.add_argument("--layout-only", action="store_true", help="print the tile layout table only")
+    ap.add_argument("--kernels", default=None,
+                    help="gather backend kernels to time, comma-separated: flash,bmm (CPU default: both)")
+    ap.add_argument("--isa", default=None, help="comma-separated: native, avx2 (emulated); each in a subprocess")
+    ap.add_argument("--sizes", default=None, help="comma-separated indices into the grid list (default: all)")
+    ap.add_argument("--isa-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    layout_report(args.keep)
+    if args.isa and not args.isa_child:
+        run_isas(args.isa.split(","))
+        return
+    if not args.isa_child:
+        layout_report(args.keep)
     if args.layout_only:
         return
 
@@ -188,14 +261,26 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     grids = GPU_GRIDS if args.gpu_sizes else CPU_GRIDS
+    if args.sizes:
+        grids = [grids[int(i)] for i in args.sizes.split(",")]
     backends = (args.backends or ("flex" if device.type == "cuda" else "flex,gather")).split(",")
+    if args.isa_child in ISA_ENV and not args.backends:
+        # compiled flex failed under the emulation here (inductor CPU kernel: index out of bounds at 4,032 tokens)
+        backends = ["gather"]
+    if "gather" in backends and device.type == "cpu":  # one column per gather kernel
+        kernels = (args.kernels or "flash,bmm").split(",")
+        i = backends.index("gather")
+        backends[i:i + 1] = [f"gather-{kn}" for kn in kernels]
     default = "flex" if device.type == "cuda" else "gather"
+    if device.type == "cpu":
+        print(cpu_header())
     print(f"torch {torch.__version__}, device {device}, {dtype}, {args.heads} heads x {args.head_dim}, "
           f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}; "
-          f"ratio = dense time / sparse time")
-    header = f"{'tokens':>7} {'grid':>12} {'dense ms':>9}"
+          f"ratio = dense time / sparse time; GF/s = dense FLOPs (4 N^2 d per head) / dense time, and kept FLOPs "
+          f"(4 rows keys d per head and kept block, real tokens only) / sparse time")
+    header = f"{'tokens':>7} {'grid':>12} {'dense ms':>9} {'GF/s':>6} {'kept':>6}"
     for b in backends:
-        header += f" {b + ' ms':>10} {'ratio':>6}"
+        header += f" {b + ' ms':>15} {'ratio':>6} {'GF/s':>6}"
     print(header + f"   {'budget keep':>11} {'budget ms':>10} {'ratio':>6}")
     sizes, times, last = [], {}, None
     for grid in grids:
@@ -204,22 +289,30 @@ def main() -> None:
         budget_keep = min(1.0, args.budget / n)
         fns = {"dense": lambda: F.scaled_dot_product_attention(q, k, v)}
         for b in backends:
-            fns[b] = lambda b=b: block_sparse_attention(q, k, v, grid, args.keep, backend=b)
+            if b.startswith("gather-"):
+                fns[b] = lambda b=b: with_kernel(b[7:], block_sparse_attention, q, k, v, grid, args.keep,
+                                                 backend="gather")
+            else:
+                fns[b] = lambda b=b: block_sparse_attention(q, k, v, grid, args.keep, backend=b)
         fns["budget"] = lambda: block_sparse_attention(q, k, v, grid, budget_keep)
         t = timed(fns, args.repeats, device)
         sizes.append(n)
         for name, seconds in t.items():
             times.setdefault(name, []).append(seconds)
-        line = f"{n:>7} {'x'.join(map(str, grid)):>12} {t['dense'] * 1e3:>9.1f}"
+        dense_flops = 4.0 * n * n * args.head_dim * args.heads * q.shape[0]
+        kept = kept_flops(q, k, grid, args.keep)
+        line = (f"{n:>7} {'x'.join(map(str, grid)):>12} {t['dense'] * 1e3:>9.1f} {dense_flops / t['dense'] / 1e9:>6.1f}"
+                f" {kept / dense_flops:>6.3f}")
         for b in backends:
-            line += f" {t[b] * 1e3:>10.1f} {t['dense'] / t[b]:>5.2f}x"
+            line += f" {t[b] * 1e3:>15.1f} {t['dense'] / t[b]:>5.2f}x {kept / t[b] / 1e9:>6.1f}"
         print(line + f"   {budget_keep:>11.3f} {t['budget'] * 1e3:>10.1f} {t['dense'] / t['budget']:>5.2f}x",
               flush=True)
         last = (grid, q, k, v)
 
-    exps = ", ".join(f"sparse keep {args.keep} {b} {slope(sizes, times[b]):.2f}" for b in backends)
-    print(f"growth exponent (time ~ tokens^p): dense {slope(sizes, times['dense']):.2f}, {exps}, "
-          f"sparse fixed budget {args.budget} keys ({default}) {slope(sizes, times['budget']):.2f}")
+    if len(sizes) > 1:
+        exps = ", ".join(f"sparse keep {args.keep} {b} {slope(sizes, times[b]):.2f}" for b in backends)
+        print(f"growth exponent (time ~ tokens^p): dense {slope(sizes, times['dense']):.2f}, {exps}, "
+              f"sparse fixed budget {args.budget} keys ({default}) {slope(sizes, times['budget']):.2f}")
 
     grid, q, k, v = last
     n = math.prod(grid)

@@ -257,7 +257,8 @@ def test_gather_backend_equals_flex_on_the_same_mask(grid, sparsity):
 
 
 def test_gather_backend_groups_heads_and_takes_another_value_dim():
-    """A tiny working-set budget splits 6 heads into groups of one; value head dim 48 != query head dim 16."""
+    """Value head dim 48 != query head dim 16 (the shared part then runs on "bmm"; a tiny budget cuts it into
+    64-row chunks); 2 x 3 heads."""
     n, bs = 1000, 128  # 8 blocks, 24 padded positions
     nb = -(-n // bs)
     g = torch.Generator().manual_seed(5)
@@ -288,6 +289,80 @@ def test_gather_backend_checks_the_shared_prefix():
     idx = torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32)  # row 0 does not start with block 0
     with pytest.raises(ValueError, match="shared"):
         gathered_block_attention(q, q, q, idx, 2, 128, shared_blocks=1)
+
+
+# ------------------------------------------------------------- gather kernels against a float64 reference
+
+KERNELS = ["flash", "bmm"]  # video.sparse_attention.cpu_kernel() picks one per CPU; both are tested everywhere
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    import video.sparse_attention as sa
+
+    monkeypatch.setattr(sa, "cpu_kernel", lambda: request.param)
+    return request.param
+
+
+def _masked_reference(q, k, v, grid, sparsity, tile=(2, 8, 8)):
+    """float64 attention with the same block mask (expanded to tokens, padding excluded), frame-major."""
+    layout = tile_layout(grid, tile)
+    qp, kp, vp = (layout.to_tiles(x) for x in (q, k, v))
+    nb, valid = layout.n_blocks, layout.valid
+    idx, n_keep = select_blocks(qp, kp, layout.block_size, sparsity, torch.arange(nb) < layout.first_frame_blocks,
+                                valid)
+    blocks = make_block_mask(idx, n_keep, valid, layout.block_size).to_dense().bool()
+    token_mask = blocks.repeat_interleave(layout.block_size, -2).repeat_interleave(layout.block_size, -1) & valid
+    ref = F.scaled_dot_product_attention(qp.double(), kp.double(), vp.double(), attn_mask=token_mask)
+    return layout.from_tiles(ref)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("grid,sparsity,gain", [((6, 9, 20), 0.25, 1.0), ((21, 12, 16), 0.125, 1.0),
+                                                 ((6, 9, 20), 0.5, 12.0)])
+def test_gather_backend_equals_a_float64_reference_on_the_same_mask(kernel, grid, sparsity, gain):
+    """fp32 gather output vs float64 attention on the same mask and the same (fp32) inputs. One fp32 evaluation
+    against an exact one: half of `attention_tolerance`'s two-evaluation bound (scores: u |q| |k| each; softmax
+    moves the output by at most 2x the score error times max |v|; the sums over the kept keys sqrt(n) u max|v|;
+    exp, the division and the log-sum-exp merge of the shared part a few u). gain 12 makes scores exceed the
+    bmm kernel's +-64 range (|q| |k| / sqrt(d) up to ~900), so its max-subtracting path runs too."""
+    g = torch.Generator().manual_seed(11)
+    n = math.prod(grid)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
+    q = q * gain
+    from video.sparse_attention import _EXP_RANGE, _score_bound
+
+    assert (_score_bound(q, k, 64**-0.5) > _EXP_RANGE) == (gain > 1)
+    out = block_sparse_attention(q, k, v, grid, sparsity, backend="gather")
+    ref = _masked_reference(q, k, v, grid, sparsity)
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() <= attention_tolerance(q, k, v) / 2
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_gather_kernels_keep_all_equals_dense_and_never_read_padding(kernel):
+    """keep 1.0 == dense SDPA (within the two-evaluation bound) for each kernel; padding slots hold 1e4 garbage
+    in keys and values and the output is unchanged (they are never read) and zero there (never returned)."""
+    grid = (5, 9, 20)  # 900 tokens in 14 tiles: padding inside edge tiles
+    g = torch.Generator().manual_seed(12)
+    n = math.prod(grid)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=g) for _ in range(3))
+    out = block_sparse_attention(q, k, v, grid, 1.0, backend="gather")
+    assert (out - F.scaled_dot_product_attention(q, k, v)).abs().max() <= attention_tolerance(q, k, v)
+
+    layout = tile_layout(grid, (2, 8, 8))
+    qp, kp, vp = (layout.to_tiles(x) for x in (q, k, v))
+    pad = ~layout.valid
+    assert pad.any()
+    kp[:, :, pad], vp[:, :, pad] = 1e4, 1e4
+    nb = layout.n_blocks
+    idx, n_keep = select_blocks(qp, layout.to_tiles(k), 128, 0.5, torch.arange(nb) < layout.first_frame_blocks,
+                                layout.valid)
+    clean = gathered_block_attention(qp, layout.to_tiles(k), layout.to_tiles(v), idx, n_keep, 128, layout.valid,
+                                     layout.first_frame_blocks)
+    dirty = gathered_block_attention(qp, kp, vp, idx, n_keep, 128, layout.valid, layout.first_frame_blocks)
+    assert torch.equal(clean, dirty)
+    assert (dirty[:, :, pad] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------- processor

@@ -14,9 +14,11 @@ What it does, per self-attention call of a denoising step:
 3. Attention over the kept blocks only, by one of two backends with the same mask and result:
    - "flex": `torch.nn.attention.flex_attention` with that `BlockMask`. Compiled (`torch.compile`), it skips
      masked blocks on CPU and GPU alike (on GPU a Triton kernel); eager flex computes densely, a reference only.
-   - "gather": per query block, its kept key/value blocks are gathered into one buffer and attention runs as
-     batched BLAS GEMMs (`gathered_block_attention`). On CPU this is ~1.4x faster than compiled flex, whose CPU
-     template multiplies fp32 tiles with a 1x16 register micro-kernel.
+   - "gather": on the real tokens only (no padding computed), the first frame's blocks, kept by every row, in
+     one dense call of ATen's fused kernel; per query block, its other kept key/value blocks gathered into one
+     buffer (shared with a paired neighbouring block) and attention as two BLAS GEMMs with the softmax between
+     (`compact_block_attention`); the parts merged exactly through their log-sum-exps. On CPU this is 3-4x
+     faster than compiled flex, whose CPU template multiplies fp32 tiles with a 1x16 register micro-kernel.
    "auto" (default) picks flex on CUDA and gather elsewhere. No CUDA-only code either way.
 4. The output is permuted back to frame-major order. Cross-attention (`encoder_hidden_states` given), the first
    `dense_fraction` of denoising steps, and `dense_layers` run diffusers' dense processor unchanged.
@@ -220,6 +222,7 @@ def select_blocks(
     sparsity: float,
     forced_cols: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    zero_padding: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Pick, per query block and head, the key blocks to compute (pooled-score top-k, as in VSA / SVG2 / NABLA).
 
@@ -231,6 +234,8 @@ def select_blocks(
         forced_cols: bool [n_blocks], key blocks every query block keeps (the first latent frame); the diagonal
             block is always kept as well.
         valid: bool [S_pad], real tokens (`TileLayout.valid`); pooling averages over those only. None: all real.
+        zero_padding: the padding slots of query and key hold +0.0 (as `TileLayout.to_tiles` writes them), so
+            the masking multiply is skipped (a full pass over both; the result is the same to the bit).
 
     Returns:
         `(indices, n_keep)`: int32 [B, H, n_blocks, n_blocks] whose first `n_keep` entries per row are the kept
@@ -247,8 +252,12 @@ def select_blocks(
     nb = S_pad // block_size
     weight = valid.float()
     counts = weight.view(nb, block_size).sum(-1)[:, None]
-    pooled_q = (query.float() * weight[:, None]).view(B, H, nb, block_size, D).sum(-2) / counts
-    pooled_k = (key.float() * weight[:, None]).view(B, H, nb, block_size, D).sum(-2) / counts
+
+    def pooled(x):  # x * 1.0 == x and 0.0 * 0.0 == 0.0: skipping the multiply on zero padding changes no bit
+        x = x.float() if zero_padding else x.float() * weight[:, None]
+        return x.view(B, H, nb, block_size, D).sum(-2) / counts
+
+    pooled_q, pooled_k = pooled(query), pooled(key)
     score = pooled_q @ pooled_k.transpose(-1, -2)  # [B, H, nb, nb]
 
     forced = torch.eye(nb, dtype=torch.bool, device=query.device)
@@ -326,47 +335,80 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 @lru_cache(maxsize=1)
 def cpu_kernel() -> str:
-    """The kernel the gather backend runs each batch of query blocks on, chosen once per process from the CPU.
+    """The kernel the gather backend runs its query blocks on, chosen once per process from the CPU.
 
-    - "flash": ATen's fused CPU flash-attention kernel (the one dense `F.scaled_dot_product_attention` runs),
-      called on [G, 1, rows, D] x [G, 1, keys, D] batches; it returns the log-sum-exp the parts are merged with.
-    - "bmm": scores by one batched GEMM (`baddbmm`), the fused softmax kernel, P @ V by a second batched GEMM; the
-      log-sum-exp from max(score) - log(max(P)). On a 128-row query block the flash kernel cuts the rows into
-      32-row tiles (its tile is 32 rows below 192 query rows, 256 from 768), which MKL's sgemm runs far below the
-      rate of its 256-row tiles on an AVX2 CPU; whole 128-row GEMMs run at the dense kernel's rate.
+    - "bmm": scores by one GEMM per query block (whole 128-row blocks: each K tile is packed once per block),
+      exp in place (without the max subtraction when the scores are provably within +-64, see `_attend`), row
+      sums, P @ V by a second GEMM and one division per output row.
+    - "flash": ATen's fused CPU flash-attention kernel (what dense `F.scaled_dot_product_attention` runs), per
+      query block. Below 192 query rows it tiles the rows by 32, so each of its GEMMs re-packs a 512-key tile
+      of K for 32 rows only.
 
-    Returns "bmm" where ATen's CPU capability is AVX2 (or less), "flash" on AVX512 CPUs (measured there: see
-    bench/sparse_attention.py, which prints the CPU's model and flags). Both are exact to float rounding.
+    Returns "bmm" where ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`, which honours
+    ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both
+    kernels side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread: 472 vs
+    537 ms on AVX512, 690 vs 739 ms with AVX2 emulated on the same CPU). "flash" elsewhere (not measured; the
+    fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the value
+    head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
+    kernels are exact to fp32 rounding (tests/test_sparse_attention.py, against a float64 reference).
     """
-    return "flash" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "bmm"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "bmm" if capability.startswith(("AVX2", "AVX512")) else "flash"
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str):
+# |score| <= _EXP_RANGE keeps exp(score) and sums of up to 1e10 such terms inside float32's normal range
+# (e^64 = 6.2e27, e^-64 = 1.6e-28; the normal range is 1.2e-38 .. 3.4e38)
+_EXP_RANGE = 64.0
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str,
+            out: torch.Tensor | None = None, bounded: bool = False, scratch: torch.Tensor | None = None):
     """Softmax attention per batch element with its log-sum-exp (for merging partial results exactly).
 
-    q [G, M, D], k [G, L, D], v [G, L, Dv] float32 (k and v may be strided views) -> (out [G, M, Dv],
-    lse [G, M]), lse = log(sum_j exp(scale * q.k_j)) in natural log. kernel: "flash" or "bmm" (`cpu_kernel`);
-    "flash" needs Dv == D and falls back to "bmm" otherwise.
+    q [G, M, D], k [G, L, D], v [G, L, Dv] float32 (strided views with a contiguous last dim are fine) ->
+    (out [G, M, Dv], lse [G, M]), lse = log(sum_j exp(scale * q.k_j)) in natural log. kernel: "flash" or "bmm"
+    (`cpu_kernel`); "flash" needs Dv == D and runs "bmm" otherwise. "bmm" overwrites q with q * scale. `out`
+    (float32 [G, M, Dv], contiguous) and `scratch` (float32, >= G * M * L elements): where the "bmm" kernel
+    writes its output and its scores (the "flash" kernel allocates its own). `bounded`: the caller has shown
+    |scale * q.k| <= _EXP_RANGE for every pair, so "bmm" exponentiates the scores as they are (softmax is
+    shift-invariant; the max subtraction only keeps exp in range) and skips a max pass and a subtraction.
     """
     if kernel == "flash" and q.shape[-1] == v.shape[-1]:
-        out, lse = _FLASH_CPU(q[:, None], k[:, None], v[:, None], scale=scale)
-        return out[:, 0], lse[:, 0]
-    s = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
-    p = torch.softmax(s, -1)
-    # softmax is monotonic: its largest entry is exp(max(s) - lse)
-    lse = s.amax(-1).sub_(p.amax(-1).log_())
-    return torch.bmm(p, v), lse
+        o, lse = _FLASH_CPU(q[:, None], k[:, None], v[:, None], scale=scale)
+        return o[:, 0], lse[:, 0]
+    G, M, L = q.shape[0], q.shape[1], k.shape[1]
+    if scale != 1.0:
+        q = q.mul_(scale)
+    s = torch.bmm(q, k.transpose(1, 2), out=None if scratch is None else scratch[:G * M * L].view(G, M, L))
+    m = None if bounded else s.amax(-1, keepdim=True)
+    (s if bounded else s.sub_(m)).exp_()
+    total = s.sum(-1, keepdim=True)
+    o = torch.bmm(s, v, out=out).div_(total)
+    lse = total.log_() if bounded else total.log_().add_(m)
+    return o, lse.squeeze(-1)
 
 
-def _attend_rows(q, k, v, scale: float, kernel: str, budget_bytes: int):
-    """`_attend` with the query rows cut so that the bmm kernel's scores and probabilities (8 bytes per query
-    row and key) stay within `budget_bytes`; the flash kernel needs no cut (it tiles internally)."""
-    G, M, _ = q.shape
-    if kernel == "flash" and q.shape[-1] == v.shape[-1]:
-        return _attend(q, k, v, scale, kernel)
-    rows = max(1, budget_bytes // (8 * G * k.shape[1]))
-    parts = [_attend(q[:, r:r + rows], k, v, scale, kernel) for r in range(0, M, rows)]
-    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+def _score_bound(query: torch.Tensor, key: torch.Tensor, scale: float) -> float:
+    """max over (b, h, i, j) of scale * |q_i| * |k_j| (Cauchy-Schwarz: >= every |score|); one pass over q and k."""
+    qn = torch.linalg.vector_norm(query, dim=-1).amax(-1)  # [B, H]
+    kn = torch.linalg.vector_norm(key, dim=-1).amax(-1)
+    return float((qn * kn).max()) * scale
+
+
+def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, N, D] (any strides) -> (rows [R, D], a view of x's storage where possible (a copy otherwise),
+    int64 [B * H, N]: the row of rows holding x[b, h, n]). Lets the gathers read transposed [B, N, H, D] views in
+    place."""
+    B, H, N, D = x.shape
+    strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    if (x.stride(-1) != 1 and D > 1) or any(s % D for s in strides[:3]) or min(strides[:3]) < 0:
+        x = x.contiguous()
+        strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    sb, sh, sn = (s // D for s in strides[:3])
+    dev = x.device
+    index = (torch.arange(B, device=dev)[:, None, None] * sb + torch.arange(H, device=dev)[None, :, None] * sh
+             + torch.arange(N, device=dev)[None, None, :] * sn).view(B * H, N)
+    return x.as_strided((int(index.max()) + 1, D), (D, 1)), index
 
 
 def _ranges(base: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -383,85 +425,181 @@ def compact_block_attention(
     indices: torch.Tensor,
     n_keep: int,
     shared_blocks: int = 0,
-    budget_bytes: int = 8 << 20,
+    budget_bytes: int = 2 << 20,
     kernel: str | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention on the real tokens only, at the rate of the fused dense kernel (the CPU backend).
 
-    Tokens come compacted: block b's real tokens are rows starts[b] : starts[b] + counts[b] (starts = exclusive
-    cumsum of counts), no padding anywhere, so no mask is needed and padding costs nothing. Two parts, merged
-    exactly through their log-sum-exps (out = lerp(out_var, out_shared, sigmoid(lse_shared - lse_var))):
-    - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame) are one
-      contiguous run of keys; all query rows of all heads attend to it in one call (`_attend_rows`).
-    - variable: the other kept blocks of each (head, query block). Their real keys are gathered into one
-      contiguous buffer; query blocks with the same (query rows, kept keys) are batched into one call
-      [G, rows, D] x [G, keys, D], G bounded by `budget_bytes`, on `kernel` (`cpu_kernel()` when None).
+    Block b holds the tokens order[starts[b] : starts[b] + counts[b]] (starts = exclusive cumsum of counts; with
+    `order` None, rows starts[b] : ... of the inputs): no padding anywhere, so no mask is needed and padding costs
+    nothing. The tokens are read where they lie (strided views, e.g. transposed [B, N, H, D] projections, are not
+    copied). Two parts, merged exactly through their log-sum-exps (out = lerp(out_var, out_shared,
+    sigmoid(lse_shared - lse_var))), the idea of FlashAttention's blockwise softmax (Dao et al. 2022,
+    arXiv:2205.14135) and of Sparse VideoGen's sink/rest split (arXiv:2502.01776):
+    - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame); all query
+      rows of all heads attend to them in one call of the fused kernel (a dense [N x P] problem: its best tiles).
+    - variable: the other kept blocks of each (head, query block). A head's query blocks are paired greedily by
+      the keys their kept blocks share (neighbouring blocks keep mostly the same ones); a pair's keys and values
+      are gathered once into one buffer ordered [only A's, both, only B's], so that each block's keys are one
+      contiguous slice of it, and each block runs one call [1, rows, D] x [1, keys, D] on `kernel` (the second
+      one reads the shared keys from cache).
+    Outputs land in [B, N, H, Dv] memory order, the processor's next layout; one gather puts them there.
 
     Args:
-        query, key: [B, H, N, D], value: [B, H, N, Dv]; N = counts.sum(); float32.
-        counts: int64 [n_blocks], real tokens per block (each >= 1).
+        query, key: [B, H, N, D], value: [B, H, N, Dv]; float32, any strides; N = counts.sum().
+        counts: int64 [n_blocks], tokens per block (each >= 1).
         indices: int [B, H, n_blocks, >= n_keep]; the first `n_keep` per row are the kept key blocks, the first
             `shared_blocks` of them 0 .. shared_blocks - 1 (not checked here).
         n_keep, shared_blocks: kept blocks per row and the shared prefix of them.
-        budget_bytes: bound on one call's gathered keys/values (+ scores for "bmm").
-        kernel: "flash" or "bmm" (see `cpu_kernel`).
+        budget_bytes: bound on the scores of one row chunk of the shared part where it runs on "bmm" (Dv != D).
+        kernel: "flash" or "bmm" for the variable part (`cpu_kernel()` when None); the shared part runs on the
+            flash kernel (the "bmm" one where Dv != D).
+        order: int64 [N], a permutation: the token (index along dim 2) at each block position; None = identity.
 
     Returns:
-        [B, H, N, Dv] float32; softmax scale 1/sqrt(D).
+        [B, H, N, Dv] float32 (memory order [B, N, H, Dv]); softmax scale 1/sqrt(D).
     """
     kernel = kernel or cpu_kernel()
     B, H, N, D = query.shape
-    Dv, BH, nb = value.shape[-1], B * H, counts.numel()
+    Dv, BH, nb, dev = value.shape[-1], B * H, counts.numel(), query.device
     scale = D**-0.5
-    q, k, v = query.reshape(BH, N, D), key.reshape(BH, N, D), value.reshape(BH, N, Dv)
+    counts = counts.to(device=dev, dtype=torch.int64)
+    order = torch.arange(N, device=dev) if order is None else order.to(device=dev, dtype=torch.int64)
     n_var = n_keep - shared_blocks
+    bounded = kernel == "bmm" and _score_bound(query, key, scale) <= _EXP_RANGE
     if shared_blocks:
         P = int(counts[:shared_blocks].sum())
-        out_s, lse_s = _attend_rows(q, k[:, :P], v[:, :P], scale, kernel, budget_bytes)
+        shared = order[:P]
+        lo = int(shared.min())
+        if int(shared.max()) - lo + 1 == P:  # a contiguous run of tokens (frame 0 in frame-major order)
+            ks, vs = key[:, :, lo:lo + P], value[:, :, lo:lo + P]
+        else:
+            ks, vs = key.index_select(2, shared), value.index_select(2, shared)
+        if D == Dv:  # the fused kernel on a dense [N x P] problem: faster than "bmm" on AVX2 and AVX512 alike
+            out_s, lse_s = _FLASH_CPU(query, ks, vs, scale=scale)
+        else:  # per head, row chunks whose scores stay in cache; out_s in [B, N, H, Dv] memory order
+            out_s, lse_s = query.new_empty(B, N, H, Dv).transpose(1, 2), query.new_empty(B, N, H).transpose(1, 2)
+            rows = max(64, budget_bytes // (4 * P))
+            scratch = query.new_empty(rows * P)
+            for b in range(B):
+                for h in range(H):
+                    for r in range(0, N, rows):
+                        o, lse = _attend(query[b, h, None, r:r + rows] * 1.0, ks[b, h, None], vs[b, h, None],
+                                         scale, "bmm", None, bounded, scratch)
+                        out_s[b, h, r:r + rows], lse_s[b, h, r:r + rows] = o[0], lse[0]
         if not n_var:
-            return out_s.reshape(B, H, N, Dv)
+            return out_s
 
-    # One element per (head, query block): its query rows and the real keys of its variable kept blocks, sorted
-    # by (rows, keys) so that each batch of equal shapes is one contiguous run of the flat index lists.
-    counts = counts.to(device=query.device, dtype=torch.int64)
+    # One element per (head, query block): its query rows against the keys of its variable kept blocks. Query
+    # blocks of a head are paired by how many variable keys they share (`_pair_blocks`); a pair's keys are
+    # gathered once, ordered [only A's | both | only B's], so that A's keys are the buffer's head and B's its tail,
+    # each contiguous, and B reads the shared ones from cache.
     starts = counts.cumsum(0) - counts
-    var = indices[..., shared_blocks:n_keep].reshape(BH * nb, n_var).long()
-    keys, rows = counts[var].sum(-1), counts.repeat(BH)
-    order = torch.argsort(rows * (int(keys.max()) + 1) + keys, stable=True)
-    dev = counts.device
-    head = torch.arange(BH, device=dev).repeat_interleave(nb)[order]
-    qblk = torch.arange(nb, device=dev).repeat(BH)[order]
-    keys, rows = keys[order], rows[order]
-    blk = var[order].reshape(-1)
-    k_idx = _ranges(starts[blk] + (head * N).repeat_interleave(n_var), counts[blk])
-    q_idx = _ranges(starts[qblk] + head * N, rows)
-    shape, n_same = torch.unique_consecutive(torch.stack([rows, keys], 1), dim=0, return_counts=True)
-    k_off, q_off = (keys.cumsum(0) - keys).tolist(), (rows.cumsum(0) - rows).tolist()
+    var = indices[..., shared_blocks:n_keep].reshape(BH, nb, n_var).long().cpu()
+    counts_c, starts_c = counts.cpu(), starts.cpu()
+    pairs, union_blocks, spans = _pair_blocks(var, counts_c)
+    # spans: per element (head, query block, key offset in the pair buffer, keys); pairs: (first element, keys)
+    head = torch.tensor([s[0] for s in spans], dtype=torch.int64)
+    qblk = torch.tensor([s[1] for s in spans], dtype=torch.int64)
+    rows = counts_c[qblk]
+    ub = torch.tensor(union_blocks, dtype=torch.int64)
+    ub_head = torch.tensor([h for h, n in zip([p[0] for p in pairs], [p[3] for p in pairs]) for _ in range(n)],
+                           dtype=torch.int64)
+    k_tok = order.cpu()[_ranges(starts_c[ub], counts_c[ub])]
+    k_head = ub_head.repeat_interleave(counts_c[ub])
+    q_tok = order.cpu()[_ranges(starts_c[qblk], rows)]
+    q_head = head.repeat_interleave(rows)
+    # queries pre-scaled once (one pass) instead of per call
+    (qf, q_row), (kf, k_row), (vf, v_row) = (_row_view(x) for x in (query * scale, key, value))
+    k_head, k_tok, q_head, q_tok = (t.to(dev) for t in (k_head, k_tok, q_head, q_tok))
+    q_idx, k_idx = q_row[q_head, q_tok], k_row[k_head, k_tok]
+    v_idx = k_idx if torch.equal(v_row, k_row) else v_row[k_head, k_tok]
+    q_off = (rows.cumsum(0) - rows).tolist()
+    rows = rows.tolist()
 
-    qf, kf, vf = q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, Dv)
-    out, lse = q.new_empty(BH * N, Dv), q.new_empty(BH * N)
-    per_kv_row = 4 * (D + Dv)
-    k_buf = v_buf = None
-    e = 0
-    for (m, n), count in zip(shape.tolist(), n_same.tolist()):
-        per = n * per_kv_row + (8 * m * n if kernel == "bmm" else 0)
-        step = max(1, min(count, budget_bytes // per))
-        if k_buf is None or k_buf.shape[0] < step * n:
-            k_buf, v_buf = q.new_empty(step * n, D), q.new_empty(step * n, Dv)
-        for e0 in range(e, e + count, step):
-            g = min(step, e + count - e0)
-            ks = k_idx[k_off[e0]:k_off[e0] + g * n]
-            qs = q_idx[q_off[e0]:q_off[e0] + g * m]
-            kb = torch.index_select(kf, 0, ks, out=k_buf[: g * n]).view(g, n, D)
-            vb = torch.index_select(vf, 0, ks, out=v_buf[: g * n]).view(g, n, Dv)
-            o, l = _attend(qf.index_select(0, qs).view(g, m, D), kb, vb, scale, kernel)
-            out.index_copy_(0, qs, o.reshape(g * m, Dv))
-            lse.index_copy_(0, qs, l.reshape(g * m))
-        e += count
-    out, lse = out.view(BH, N, Dv), lse.view(BH, N)
+    E = BH * N  # query rows: every one is in exactly one element
+    out_e = None if kernel == "flash" and D == Dv else query.new_empty(E, Dv)
+    outs, lses = [], []
+    max_keys = max(p[2] for p in pairs)
+    k_buf, v_buf = query.new_empty(max_keys, D), query.new_empty(max_keys, Dv)
+    scratch = None if out_e is None else query.new_empty(max(rows) * max(s[3] for s in spans))
+    q_buf = query.new_empty(max(rows), D)
+    k0 = 0
+    for _, first, n_union, _, n_elems in pairs:
+        kb = torch.index_select(kf, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
+        vb = torch.index_select(vf, 0, v_idx[k0:k0 + n_union], out=v_buf[:n_union])
+        k0 += n_union
+        for e in range(first, first + n_elems):
+            m, (_, _, off, n) = rows[e], spans[e]
+            qb = torch.index_select(qf, 0, q_idx[q_off[e]:q_off[e] + m], out=q_buf[:m])
+            dst = None if out_e is None else out_e[q_off[e]:q_off[e] + m][None]
+            o, lse = _attend(qb[None], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, dst, bounded,
+                             scratch)
+            if out_e is None:
+                outs.append(o[0])
+            lses.append(lse[0])
+    if out_e is None:
+        out_e = torch.cat(outs)
+    lse_e = torch.cat(lses)
+    # element order -> [B, N, H] order: one gather by the inverse permutation
+    dest = ((q_head // H) * N + q_tok) * H + q_head % H
+    inv = torch.empty_like(dest)
+    inv[dest] = torch.arange(E, device=dev)
+    out = out_e.index_select(0, inv).view(B, N, H, Dv)
     if shared_blocks:
-        out = torch.lerp(out, out_s, torch.sigmoid(lse_s - lse)[..., None])
-    return out.reshape(B, H, N, Dv)
+        lse = lse_e.index_select(0, inv).view(B, N, H)
+        out.lerp_(out_s.transpose(1, 2), torch.sigmoid(lse_s.transpose(1, 2) - lse)[..., None])
+    return out.transpose(1, 2)
+
+
+def _pair_blocks(var: torch.Tensor, counts: torch.Tensor):
+    """Pair each head's query blocks greedily by the keys their variable kept blocks share.
+
+    var: int64 [BH, nb, n_var] kept key blocks per (head, query block) (CPU); counts: int64 [nb] tokens per block.
+    Returns (pairs, union_blocks, spans): pairs, one per buffer: (head, first element, union keys, union blocks,
+    elements (1 or 2)); union_blocks: the key blocks of all buffers, concatenated, each buffer ordered [only A's,
+    both, only B's]; spans, one per element in buffer order: (head, query block, key offset, keys).
+    """
+    BH, nb, n_var = var.shape
+    kept = torch.zeros(BH, nb, nb)
+    kept.scatter_(-1, var, 1.0)
+    shared = (kept * counts.double().float()[None, None]) @ kept.transpose(1, 2)  # [BH, nb, nb] shared keys
+    shared.diagonal(dim1=1, dim2=2).fill_(-1.0)
+    cnt = counts.tolist()
+    pairs, union_blocks, spans = [], [], []
+    for h in range(BH):
+        score = shared[h].numpy().copy()
+        sets = [var[h, b].tolist() for b in range(nb)]
+        free = [True] * nb
+        for a in range(nb):
+            if not free[a]:
+                continue
+            free[a] = False
+            row = score[a]
+            b = int(row.argmax())
+            if row[b] < 0 or not free[b]:
+                cands = [c for c in range(nb) if free[c]]
+                b = max(cands, key=lambda c: row[c]) if cands else -1
+            if b < 0:
+                keys = sum(cnt[x] for x in sets[a])
+                pairs.append((h, len(spans), keys, len(sets[a]), 1))
+                union_blocks += sets[a]
+                spans.append((h, a, 0, keys))
+                continue
+            free[b] = False
+            score[:, a] = score[:, b] = -1.0
+            sb = set(sets[b])
+            only_a = [x for x in sets[a] if x not in sb]
+            both = [x for x in sets[a] if x in sb]
+            sa = set(sets[a])
+            only_b = [x for x in sets[b] if x not in sa]
+            ka, kboth, kb = (sum(cnt[x] for x in blocks) for blocks in (only_a, both, only_b))
+            pairs.append((h, len(spans), ka + kboth + kb, len(only_a) + len(both) + len(only_b), 2))
+            union_blocks += only_a + both + only_b
+            spans.append((h, a, 0, ka + kboth))
+            spans.append((h, b, ka, kboth + kb))
+    return pairs, union_blocks, spans
 
 
 def gathered_block_attention(
@@ -473,7 +611,7 @@ def gathered_block_attention(
     block_size: int,
     valid: torch.Tensor | None = None,
     shared_blocks: int = 0,
-    budget_bytes: int = 8 << 20,
+    budget_bytes: int = 2 << 20,
     kernel: str | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention by gathering each query block's kept key/value blocks (the CPU backend), on tiled,
@@ -489,7 +627,7 @@ def gathered_block_attention(
         valid: bool [S_pad], real tokens (None: all real); padding slots are never attended to, and their query
             rows are not computed (zeros in the output).
         shared_blocks: leading kept entries equal to 0, 1, ..., shared_blocks - 1 in every row (checked).
-        budget_bytes: bound on one call's gathered keys and values (and scores for the "bmm" kernel).
+        budget_bytes: bound on the scores of one row chunk of the shared part where it runs on "bmm" (Dv != D).
         kernel: "flash" or "bmm" (`cpu_kernel()` when None).
 
     Returns:
@@ -557,15 +695,12 @@ def block_sparse_attention(
     valid = layout.valid.to(query.device)
     q, k = (layout.to_tiles(x) for x in (query, key))
     forced_cols = torch.arange(nb, device=query.device) < layout.first_frame_blocks
-    indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid)
+    indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid, zero_padding=True)
     if backend == "gather":  # straight from frame-major to the real tokens in tile order, and back
         real = layout.slots[layout.valid].to(query.device)  # frame-major token at each compact position
-        back = torch.empty_like(real)
-        back[real] = torch.arange(N, device=real.device)
-        qc, kc, vc = (x.float().index_select(2, real) for x in (query, key, value))
-        out = compact_block_attention(qc, kc, vc, valid.view(nb, bs).sum(-1), indices, n_keep,
-                                      min(layout.first_frame_blocks, n_keep))
-        return out.index_select(2, back).to(query.dtype)
+        out = compact_block_attention(query.float(), key.float(), value.float(), valid.view(nb, bs).sum(-1),
+                                      indices, n_keep, min(layout.first_frame_blocks, n_keep), order=real)
+        return out.to(query.dtype)
     mask = make_block_mask(indices, n_keep, valid, bs)
     return layout.from_tiles(_flex(compiled)(q, k, layout.to_tiles(value), block_mask=mask))
 
