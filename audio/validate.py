@@ -5,7 +5,7 @@ Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming
 
 from __future__ import annotations
 
-from core.validate import InputError, check_seed, find_invalid_unicode
+from core.validate import InputError, find_invalid_unicode
 
 from .config import TTSConfig
 from .text import clean_sentence, has_speech

@@ -43,6 +43,11 @@ def project_dir() -> Path:
     return Path(os.environ.get(PROJECT_DIR_ENV) or os.getcwd())
 
 
+def in_project(p: str | Path) -> Path:
+    """``p`` (``~`` expanded) when absolute, else ``p`` under :func:`project_dir`; not resolved (no symlinks read)."""
+    return project_dir() / Path(p).expanduser()
+
+
 def resolve_path(model_dir: str | Path | None, p: str, local: bool = False) -> str:
     """Where a config's checkpoint path ``p`` points: ``p`` unchanged when it is absolute, a URL (``://``) or
     ``model_dir`` is None; else ``<model_dir>/<p>`` when that exists, or when ``local`` (a folder to be written

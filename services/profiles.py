@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from audio.config import TTSConfig
-from core.config import ConfigFieldError, Strict, project_dir
+from core.config import ConfigFieldError, Strict, in_project
 from grafting.config import VLMConfig
 from video.config import VideoConfig
 
@@ -144,8 +144,8 @@ class Profile(Strict):
 
     def resolved_model_dir(self) -> Path:
         """The model directory as an absolute path (``CHIMERA_MODEL_DIR`` overrides the profile; a relative one is
-        under :func:`core.config.project_dir`)."""
-        return (project_dir() / Path(os.environ.get("CHIMERA_MODEL_DIR") or self.model_dir).expanduser()).resolve()
+        under :func:`core.config.project_dir`, :func:`core.config.in_project`)."""
+        return in_project(os.environ.get("CHIMERA_MODEL_DIR") or self.model_dir).resolve()
 
     def families(self) -> dict[str, FamilySection]:
         """The configured sections by family name (``vlm``, ``video``, ``tts``), in that order."""

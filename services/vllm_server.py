@@ -15,7 +15,7 @@ from pathlib import Path
 
 from audio import vllm_ext
 from audio.config import TTSConfig
-from core.config import VLLMOptions, project_dir, resolve_path
+from core.config import VLLMOptions, in_project, resolve_path
 from core.constants import SERVED_NAME
 from core.vllm_client import VLLMClient
 from grafting.config import VLMConfig
@@ -31,10 +31,11 @@ VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; o
 def vllm_python(python: str) -> str:
     """The vLLM environment's interpreter for the profile's ``vllm.python``: ``$CHIMERA_VLLM_PYTHON`` when set (it
     overrides the profile, as ``CHIMERA_MODEL_DIR`` does the model directory); else ``python`` when absolute; else
-    ``python`` under :func:`core.config.project_dir` (the default ``.venv-vllm/bin/python`` is what ``make install`` builds)."""
+    under the project directory (:func:`core.config.in_project`; the default ``.venv-vllm/bin/python`` is what
+    ``make install`` builds)."""
     if os.environ.get(VLLM_PYTHON_ENV):
         return os.environ[VLLM_PYTHON_ENV]
-    return python if Path(python).is_absolute() else str(project_dir() / python)
+    return str(in_project(python))
 
 
 def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
