@@ -17,7 +17,7 @@ import typer
 
 from grafting.train.cli import graft_app
 
-from .profiles import ProfileError, load_profile
+from .config.profiles import ProfileError, load_profile
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Chimera: multimodal inference service.")
 BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build"}
@@ -44,7 +44,7 @@ def prepare(profile: str = typer.Option("cpu", help="profile name (configs/<name
     id into ``<model_dir>/<org>/<name>`` (only the files the engines read; for the tower only the shards holding
     ``vision_tower.*``). Does nothing the second time. Exit 2: profile error, ``HF_HUB_OFFLINE`` with checkpoints
     to fetch, or a repo that cannot be listed; exit 1: a local checkpoint directory is missing."""
-    from .weights import DirSource, FetchError, HubSource, fetch, plan
+    from .config.weights import DirSource, FetchError, HubSource, fetch, plan
 
     prof = _load(profile)
     model_dir = prof.resolved_model_dir()
@@ -108,7 +108,7 @@ def profile_show(profile: str = typer.Option("cpu", help="profile name (configs/
     activations at the profile's limits; per GPU the total (GiB, and GB in brackets). Without a GPU size from
     the options, the profile or a local CUDA device it plans for 80 GB GPUs and says so. Exit 1 when it does not
     fit, 2 on a profile error or a GPU size it cannot read."""
-    from .memory_plan import (DEFAULT_GPU_BYTES, GIB, PlanError, both_units, format_plan, gpu_bytes_of,
+    from .config.memory_plan import (DEFAULT_GPU_BYTES, GIB, PlanError, both_units, format_plan, gpu_bytes_of,
                               parse_gpu_memory, plan, uses_gpus)
 
     prof = _load(profile)
@@ -169,11 +169,11 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     "Chimera is serving ..." is printed once ``GET /readyz`` answers 200 (every model loaded); until then a line
     names the models still loading whenever that list changes.
 
-    First the memory plan is checked (``services.memory_plan.check``): a profile that does not fit its GPUs is
+    First the memory plan is checked (``services.config.memory_plan.check``): a profile that does not fit its GPUs is
     refused with the numbers (exit 2). With ``--address`` the application is deployed on that cluster and, on
     stop, only it is deleted (the cluster and its other applications keep running)."""
-    from .memory_plan import PlanError, check, uses_gpus
-    from .readiness import wait_ready
+    from .config.memory_plan import PlanError, check, uses_gpus
+    from .api.readiness import wait_ready
     from .serve_app import APP_NAME, init_ray, run, stop
 
     t0 = time.monotonic()

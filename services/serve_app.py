@@ -1,8 +1,8 @@
 """The Ray Serve application: one FastAPI ingress deployment plus one deployment per model family.
 
-``build_application(profile)`` binds every family's ``Deployment`` (``services/chat.py`` ...) with the profile's
+``build_application(profile)`` binds every family's ``Deployment`` (``services/api/chat.py`` ...) with the profile's
 options and passes their handles to the ingress, whose FastAPI app is built at replica start by
-:func:`services.app.build_app`. ``run(profile)`` starts it on the profile's host and port; ``stop()`` ends it.
+:func:`services.api.app.build_app`. ``run(profile)`` starts it on the profile's host and port; ``stop()`` ends it.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from typing import Any
 
 from ray import serve
 
-from .app import build_app, family_module
-from .backends import RayBackend
-from .profiles import DeploymentOptions, Profile
+from .api.app import build_app
+from .config.profiles import DeploymentOptions, Profile
+from .deployments import deployment_class
+from .deployments.backends import RayBackend
 
 log = logging.getLogger("chimera")
 
 APP_NAME = "chimera"
-PROXY_CALLBACK = "services.edge:proxy_middlewares"
+PROXY_CALLBACK = "services.api.edge:proxy_middlewares"
 # While a replica shuts down it polls its in-flight requests this often (Ray's default, 2 s, is paid once per
 # shutdown tier even by an idle replica: ingress, then the model deployments). In-flight requests still finish, up
 # to Ray's graceful_shutdown_timeout_s (20 s).
@@ -54,11 +55,11 @@ def build_application(profile: Profile):
     handles = {}
     for fam, section in profile.families().items():
         opts = _options(fam, section.deployment)
-        if fam == "vlm":  # issue 11 hook: image-cache-aware routing across VLM replicas (services/routing.py)
-            from .routing import router_config
+        if fam == "vlm":  # issue 11 hook: image-cache-aware routing across VLM replicas (services/deployments/routing.py)
+            from .deployments.routing import router_config
 
             opts["request_router_config"] = router_config()
-        dep = serve.deployment(family_module(fam).Deployment).options(**opts)
+        dep = serve.deployment(deployment_class(fam)).options(**opts)
         handles[fam] = dep.bind(section.model_dump(mode="json"), model_dir)
     ingress = serve.deployment(Ingress).options(**_options("ingress", profile.server.ingress))
     return ingress.bind(profile.model_dump(mode="json"), **handles)
@@ -70,7 +71,7 @@ def init_ray(profile: Profile, **overrides: Any) -> None:
 
     import json
 
-    from .edge import LIMITS_ENV
+    from .api.edge import LIMITS_ENV
     from core.config import PROJECT_DIR_ENV, project_dir
 
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)

@@ -28,8 +28,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from services.engine_process import free_port  # noqa: E402  (tests import it from here)
-from services.readiness import wait_ready  # noqa: E402
+from services.engines.process import free_port  # noqa: E402  (tests import it from here)
+from services.api.readiness import wait_ready  # noqa: E402
 
 # Test files that start the service themselves (``chimera serve`` or a Ray cluster of their own).
 SERVICE_FILES = {"test_cli_serve.py", "test_crash_recovery.py", "test_cluster_config.py"}
@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
 def profile(tmp_path_factory):
     """The cpu profile, with the video job store and results in a folder of this test session (so concurrent
     test sessions never recover, or count, each other's jobs)."""
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     prof = load_profile(os.environ.get("CHIMERA_TEST_PROFILE", "cpu"))
     if prof.video is not None:

@@ -10,9 +10,10 @@ import hashlib
 import httpx
 import pytest
 
-from services.app import build_app, key_id
-from services.backends import LocalBackend
-from services.profiles import API_KEYS_ENV, ProfileError, parse_profile
+from services.api.app import build_app
+from services.api.auth import key_id
+from services.deployments.backends import LocalBackend
+from services.config.profiles import API_KEYS_ENV, ProfileError, parse_profile
 
 
 class _Ready:
@@ -195,7 +196,7 @@ def test_download_streams_the_file_with_ranges(monkeypatch, tmp_path, profile):
 def _manager(tmp_path, profile):
     """A JobManager (the class, no Ray) on a store in ``tmp_path``; its job launcher is a scripted no-op (these
     tests are about ownership, not generation)."""
-    from services.job_manager import JobManager
+    from services.jobs.manager import JobManager
 
     cfg = profile.video.engine.model_dump(mode="json")
     cfg["jobs"]["store_url"] = f"sqlite:///{tmp_path}/jobs.sqlite"
@@ -210,7 +211,7 @@ def test_each_job_belongs_to_the_key_that_made_it(tmp_path, profile):
     source and delete, and stays there after B's delete; A sees it; without keys (owner None) every job is
     visible. Idempotency keys are per key: A and B sending the same key get two jobs, A resending gets its own
     one back. The store holds the key id, never the key."""
-    from services.job_manager import JobError
+    from services.jobs.errors import JobError
     from video.request import plan_request
 
     m = _manager(tmp_path, profile)

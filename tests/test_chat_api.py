@@ -253,7 +253,7 @@ def test_logprobs_through_http_equal_base_llm(openai_client, model_dir):
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 # Every field of OpenAI's chat completions request (openai.types.chat.completion_create_params), by how the service
-# treats it (the rule is in services/chat.py ChatRequest). Honoured: a value that changes the answer.
+# treats it (the rule is in services/api/chat.py ChatRequest). Honoured: a value that changes the answer.
 HONOURED = {"model": "chimera-vlm", "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0.5, "top_p": 0.5,
             "seed": 1, "stop": ["\n"], "stream": False, "stream_options": None, "n": 1, "logprobs": True,
             "top_logprobs": 2, "response_format": {"type": "text"}}  # JSON modes: tests/test_vlm_vllm.py
@@ -281,7 +281,7 @@ def test_every_openai_chat_field_is_classified():
 
     from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
-    from services.chat import NO_OP_VALUES, ChatRequest
+    from services.api.chat_request import NO_OP_VALUES, ChatRequest
 
     sdk = set(typing.get_type_hints(CompletionCreateParamsBase)) | {"stream"}
     assert sdk == set(HONOURED) | set(UNSUPPORTED) | {"messages"}

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from services.readiness import wait_ready
+from services.api.readiness import wait_ready
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def _profile_arg(vlm_backend: str, tmp_path: Path) -> str:
     ``transformers`` backend (its batcher thread decodes; no vLLM start)."""
     import yaml
 
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     data = load_profile("cpu").model_dump(mode="json")
     data["video"] = data["tts"] = None

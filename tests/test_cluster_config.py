@@ -13,7 +13,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from services.profiles import CONFIG_DIR, ProfileError, load_profile
+from services.config.profiles import CONFIG_DIR, ProfileError, load_profile
 
 SERVE = yaml.safe_load((CONFIG_DIR / "serve.yaml").read_text())
 KUBE = yaml.safe_load((CONFIG_DIR / "kuberay-rayservice.yaml").read_text())
@@ -112,7 +112,7 @@ def test_app_builder_binds_the_profile_and_refuses_bad_args():
 
 def test_app_builder_refuses_a_profile_that_does_not_fit(tmp_path):
     from services.cluster import app_builder
-    from services.memory_plan import PlanError
+    from services.config.memory_plan import PlanError
 
     data = load_profile("gpu").model_dump(mode="json")
     data["ray"]["gpu_memory_gib"] = 16
@@ -151,12 +151,12 @@ def test_serve_address_joins_a_running_cluster_and_leaves_it_running(tmp_path):
 
     import httpx
 
-    from services.readiness import wait_ready
+    from services.api.readiness import wait_ready
     from tests.conftest import free_port
 
     # Ray 2.60's local clusters use token auth (~/.ray/auth_token); a driver given an explicit address uses it only
     # with RAY_AUTH_MODE=token (README "Running on a Ray cluster").
-    env = {**os.environ, "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "services.edge:proxy_middlewares",
+    env = {**os.environ, "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "services.api.edge:proxy_middlewares",
            "RAY_AUTH_MODE": "token"}
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env,
                               start_new_session=True)

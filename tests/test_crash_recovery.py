@@ -82,7 +82,7 @@ def _running(base: str, video_id: str):
 
 
 def _profile(tmp_path) -> dict:
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     data = load_profile("cpu").model_dump(mode="json")
     # video (the store, the manager, the job workers) and speech (the replica killed in step 2) are what crash

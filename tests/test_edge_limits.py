@@ -1,4 +1,4 @@
-"""Limits at the edge (services/edge.py, services/profiles.EdgeLimits), without Ray: body size per route from
+"""Limits at the edge (services/api/edge.py, services/profiles.EdgeLimits), without Ray: body size per route from
 Content-Length and while a chunked body streams, refused before anything reaches the app; multipart upload caps;
 the websocket's limits; remote image fetch errors. One end-to-end check through the ``openai`` SDK against the
 real service (413 from Ray's proxy)."""
@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from services.edge import DEFAULT_LIMITS, LIMITS_ENV, EdgeMiddleware, limits_from_env
+from services.api.edge import DEFAULT_LIMITS, LIMITS_ENV, EdgeMiddleware, limits_from_env
 
 LIMITS = {"routes": {"/v1/chat/completions": 1000, "/v1/audio/speech": 100}, "default": 10}
 
@@ -141,9 +141,9 @@ def test_a_30_mb_chat_body_is_413_through_the_app_and_the_sdk(profile):
     deployment is never called."""
     import openai
 
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.profiles import parse_profile
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.config.profiles import parse_profile
 
     data = profile.model_dump(mode="json")
     data["video"] = data["tts"] = None
@@ -195,9 +195,9 @@ class _SlowSpeech:
 
 
 def _speech_app(profile, **limits):
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.profiles import parse_profile
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.config.profiles import parse_profile
 
     data = profile.model_dump(mode="json")
     data["video"] = data["vlm"] = None
@@ -290,9 +290,9 @@ def test_multipart_file_is_capped_while_it_streams(profile):
     limit is raised to 1 GiB so only the file cap acts) is 413 ``too_large`` naming the field, and the parser
     stops reading the body as soon as the file passes the cap: of the 64 KiB chunks of a 6.4 MB body, at most
     cap / 64 KiB + 3 (the form headers and the chunk that crosses the cap, rounded up) are pulled."""
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.profiles import parse_profile
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.config.profiles import parse_profile
 
     data = profile.model_dump(mode="json")
     data["vlm"] = data["tts"] = None
@@ -359,8 +359,8 @@ def test_extension_upload_is_probed_from_its_header_before_any_decode(tmp_path, 
         probe_video(b"not a video at all" * 10, 9, 64, 64, 4096)
     assert info.value.status_code == 415
 
-    from services.profiles import FamilySection
-    from services.videos import Deployment
+    from services.config.profiles import FamilySection
+    from services.deployments.video import Deployment
     from video.config import VideoConfig
 
     section = profile.video.model_dump(mode="json")
@@ -380,8 +380,8 @@ def test_one_lone_surrogate_check_per_side():
     ``reject_invalid_unicode`` (400 ``invalid_unicode`` naming the path)."""
     from audio.validate import SpeechInputError, check_unicode
     from core.validate import find_invalid_unicode
-    from services.app import reject_invalid_unicode
-    from services.errors import APIError
+    from services.api.body import reject_invalid_unicode
+    from services.api.errors import APIError
     from video.request import RequestError, plan_request
 
     bad = "ok \ud800"
@@ -391,7 +391,7 @@ def test_one_lone_surrogate_check_per_side():
     with pytest.raises(SpeechInputError) as info:
         check_unicode({"text": bad}, "")
     assert (info.value.code, info.value.param) == ("invalid_unicode", "text")
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     with pytest.raises(RequestError) as info:
         plan_request(load_profile("cpu").video.engine, {"prompt": bad})
@@ -405,7 +405,7 @@ def test_one_lone_surrogate_check_per_side():
 def test_a_slow_refused_body_is_answered_after_the_drain_bound(monkeypatch):
     """A refused body whose sender stalls is not waited for past ``DRAIN_MAX_S`` (0.1 s here): the 413 goes out
     with ``Connection: close``."""
-    import services.edge as edge
+    import services.api.edge as edge
 
     monkeypatch.setattr(edge, "DRAIN_MAX_S", 0.1)
     sent = []

@@ -1,4 +1,4 @@
-"""The engine-process supervisor (services/engine_process.py) and its group guard (services/engine_guard.py),
+"""The engine-process supervisor (services/engines/process.py) and its group guard (services/engines/guard.py),
 with a scripted stand-in server.
 
 The stand-in answers ``GET /health`` like vLLM's OpenAI server and, like it, spawns a worker process of its own
@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from services.engine_process import ServerProcess, ServerSpec
+from services.engines.process import ServerProcess, ServerSpec
 
 STAND_IN = textwrap.dedent('''
     import argparse, http.server, os, subprocess, sys
@@ -153,7 +153,7 @@ def start_supervisor_process(spec, tmp_path, block_signals: bool = False) -> tup
     fields = dict(spec.__dict__, log_path=str(tmp_path / "engine.log"))
     code = textwrap.dedent(f'''
         import signal, sys, time
-        from services.engine_process import ServerProcess, ServerSpec
+        from services.engines.process import ServerProcess, ServerSpec
         if {block_signals!r}:
             signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT, signal.SIGTERM}})
         s = ServerProcess(ServerSpec(**{fields!r})).start()
@@ -205,7 +205,7 @@ def test_completion_request_body():
 
 def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec, tmp_path):
     """Ray SIGKILLs a dying replica's children, the guard among them: the server dies with the guard
-    (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (services/engine_site/sitecustomize.py)."""
+    (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (services/engines/engine_site/sitecustomize.py)."""
     sup, pgid = start_supervisor_process(spec, tmp_path)
     (server, worker), = pids_of(spec)
     os.kill(pgid, signal.SIGKILL)  # the guard (the group leader), with no chance to sweep
@@ -239,7 +239,7 @@ def test_a_stop_during_a_spawn_kills_what_the_spawn_started(spec, monkeypatch):
     thread's exit) caught up with it, after stop() had returned. The interleaving is forced with events."""
     import threading
 
-    import services.engine_process as ep
+    import services.engines.process as ep
 
     in_spawn, release, spawned = threading.Event(), threading.Event(), []
     real_popen = subprocess.Popen

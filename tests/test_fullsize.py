@@ -68,7 +68,7 @@ LEVER_ROWS = ["dense", "sparse 0.125", "cache mag", "cache first_block", "cache 
 def _check_lever_table(stdout: str) -> None:
     """gpu_scale --dry-run's lever table: the header names the gpu profile's fast profile, every row appears
     once in order with its step count (4 full, the fast profile's 3) and no figure."""
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     assert load_profile("gpu").video.engine.fast.num_inference_steps == 3  # the distilled row's step count
     lines = stdout.splitlines()

@@ -93,7 +93,7 @@ PER_FAMILY = 200
 def fuzz_schema(profile) -> dict:
     """The ingress's OpenAPI document (built without models: the schema needs no backend call) completed with
     the request bodies and documented responses above. Returns a new dict (OpenAPI 3.1)."""
-    from services.app import build_app
+    from services.api.app import build_app
 
     class _NoCall:
         """A backend that is never called: only the app's schema is read."""

@@ -13,7 +13,7 @@ from transformers import Kimi_K25VisionModel
 
 from grafting.projector import GraftProjector, GraftProjectorConfig
 from grafting.tower import build_tower_config
-from services.profiles import CONFIG_DIR, load_profile, parse_profile
+from services.config.profiles import CONFIG_DIR, load_profile, parse_profile
 
 CONFIG_PUBLISHED = CONFIG_DIR / "published"
 
@@ -48,7 +48,7 @@ def test_gpu_profile_serves_glm4_9b_on_vllm_bf16_across_the_deployment_gpus():
 
 
 def test_vllm_tensor_parallel_must_match_the_deployment_gpus():
-    from services.profiles import ProfileError, parse_profile
+    from services.config.profiles import ProfileError, parse_profile
 
     data = load_profile("gpu").model_dump(mode="json")
     data["vlm"]["engine"]["vllm"]["tensor_parallel_size"] = 1
@@ -62,8 +62,8 @@ def test_vllm_tensor_parallel_must_match_the_deployment_gpus():
 
 
 def test_speculative_decoding_is_a_typed_profile_option_passed_as_speculative_config():
-    from services.profiles import ProfileError, parse_profile
-    from services.vllm_server import server_spec
+    from services.config.profiles import ProfileError, parse_profile
+    from services.engines.vllm_server import server_spec
 
     data = load_profile("gpu").model_dump(mode="json")
     v = data["vlm"]["engine"]["vllm"]
@@ -94,7 +94,7 @@ def test_cpu_profile_vllm_kv_caches_hold_their_batches_and_no_more_than_needed(m
     (``--kv-cache-memory-bytes``): at least ``max_batch_size`` full-length sequences of the real configs (KV bytes
     per token from grafting.memory), and for the tiny speech LM far below vLLM's CPU default of 4 GiB."""
     from core.memory import kv_bytes_per_token, read_config
-    from services.vllm_server import server_spec, speech_server_spec
+    from services.engines.vllm_server import server_spec, speech_server_spec
 
     prof = load_profile("cpu")
     for spec, cfg, llm in ((server_spec(prof.vlm.engine, "llm"), prof.vlm.engine, prof.vlm.engine.llm),
@@ -107,14 +107,14 @@ def test_cpu_profile_vllm_kv_caches_hold_their_batches_and_no_more_than_needed(m
     assert kv <= 64 << 20  # the speech LM: 512 B a token
 
 
-# --- memory plan (services/memory_plan.py; model math in grafting/video/audio .memory) ---------------------------
+# --- memory plan (services/config/memory_plan.py; model math in grafting/video/audio .memory) ---------------------------
 
 GB = 10**9  # GPU sizes as sold: "80 GB" (H100/A100) and "141 GB" (H200), in decimal bytes (74.5 / 131.3 GiB)
 
 
 def test_kv_cache_and_latent_grid_math_on_the_published_configs():
     from core.memory import causal_lm_params, kv_bytes_per_token, read_config
-    from services.memory_plan import PUBLISHED
+    from services.config.memory_plan import PUBLISHED
     from video.memory import latent_grid
 
     glm = read_config(PUBLISHED / "THUDM/GLM-4-9B-0414")
@@ -137,7 +137,7 @@ def _by_owner(p):
 
 @pytest.mark.parametrize("gpu_gb", [80, 141])
 def test_gpu_profile_fits_80_and_141_gb_gpus_as_configured(gpu_gb):
-    from services.memory_plan import GIB, plan
+    from services.config.memory_plan import GIB, plan
 
     p = plan(load_profile("gpu"), gpu_gb * GB)
     assert p.fits, p.problems
@@ -169,7 +169,7 @@ def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbe
     from typer.testing import CliRunner
 
     from services.cli import app as cli
-    from services.memory_plan import PlanError, check, plan
+    from services.config.memory_plan import PlanError, check, plan
 
     small = plan(load_profile("gpu"), 16 * GB)
     assert not small.fits
@@ -197,7 +197,7 @@ def test_a_profile_too_big_for_its_gpus_is_refused_at_serve_start_with_the_numbe
 def test_a_speech_vllm_share_too_small_for_its_kv_cache_is_a_problem():
     """The speech LM's share holds its weights and the KV cache of max_ongoing_requests full sentences (vLLM
     refuses to start otherwise): 0.2 x 80 GB = 14.9 GiB < 6.15 + 14.90 + ... GiB is named as a problem."""
-    from services.memory_plan import plan
+    from services.config.memory_plan import plan
 
     data = load_profile("gpu").model_dump(mode="json")
     data["tts"]["engine"]["vllm"]["gpu_memory_utilization"] = 0.2
@@ -236,7 +236,7 @@ def test_profile_show_without_a_gpu_size_plans_80_gb_gpus_and_says_so(monkeypatc
 
     from services.cli import app as cli
 
-    monkeypatch.setattr("services.memory_plan.local_gpu_bytes", lambda: None)  # as on a CPU-only machine
+    monkeypatch.setattr("services.config.memory_plan.local_gpu_bytes", lambda: None)  # as on a CPU-only machine
     r = CliRunner().invoke(cli, ["profile", "show", "--profile", "gpu"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -262,7 +262,7 @@ def test_profile_show_without_a_gpu_size_plans_80_gb_gpus_and_says_so(monkeypatc
 def test_a_fetched_checkpoint_config_is_used_before_the_published_one(tmp_path, monkeypatch):
     import json
 
-    from services.memory_plan import plan
+    from services.config.memory_plan import plan
 
     d = tmp_path / "THUDM/GLM-4-9B-0414"
     d.mkdir(parents=True)
@@ -281,7 +281,7 @@ def test_a_fetched_checkpoint_config_is_used_before_the_published_one(tmp_path, 
 
 
 def test_gpus_taken_by_replicas_leave_none_for_video_jobs():
-    from services.memory_plan import plan, uses_gpus
+    from services.config.memory_plan import plan, uses_gpus
 
     data = load_profile("gpu").model_dump(mode="json")
     data["video"]["deployment"]["num_gpus"] = 1  # the video front would hold a GPU of its own
@@ -294,7 +294,7 @@ def test_gpus_taken_by_replicas_leave_none_for_video_jobs():
 def test_every_video_job_worker_gets_its_gpus():
     """The job manager starts ``jobs.workers`` workers of ``gpus_per_job`` GPUs each: the plan places each one and
     counts their GPUs when the profile does not say how many there are."""
-    from services.memory_plan import plan
+    from services.config.memory_plan import plan
 
     data = load_profile("gpu").model_dump(mode="json")
     data["video"]["engine"]["jobs"]["workers"] = 2
@@ -314,7 +314,7 @@ def test_kv_formula_equals_the_cache_transformers_really_allocates():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from core.memory import kv_bytes_per_token, read_config
-    from services.memory_plan import PUBLISHED
+    from services.config.memory_plan import PUBLISHED
 
     for repo in ("canopylabs/orpheus-3b-0.1-ft", "THUDM/GLM-4-9B-0414"):
         cfg = {**read_config(PUBLISHED / repo), "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 256}

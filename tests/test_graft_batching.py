@@ -77,7 +77,7 @@ def test_process_closing_batcher_mid_decode_exits_0():
     script = textwrap.dedent("""
         import threading
         from grafting.engine import VLMEngine
-        from services.profiles import load_profile
+        from services.config.profiles import load_profile
         prof = load_profile("cpu")
         engine = VLMEngine.from_config(prof.vlm.engine, prof.resolved_model_dir())
         first = threading.Event()

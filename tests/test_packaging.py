@@ -24,7 +24,7 @@ TOP_LEVEL = {"audio", "configs", "core", "grafting", "services", "video"}
 # Runtime files that are not Python modules of a package, each of which the service reads at run time.
 DATA_FILES = ["configs/cpu.yaml", "configs/gpu.yaml", "configs/graft/cpu.yaml",
               "configs/published/THUDM/GLM-4-9B-0414/config.json", "configs/published/moonshotai/Kimi-K2.5/config.json",
-              "services/playground/index.html", "services/playground/app.js", "services/engine_site/sitecustomize.py",
+              "services/api/static/index.html", "services/api/static/app.js", "services/engines/engine_site/sitecustomize.py",
               "audio/vllm_ext/chimera_frame_constraint.py", "grafting/assets/cpu_shapes/graft.json"]
 
 
@@ -78,7 +78,7 @@ def test_paths_are_found_by_configuration_not_by_the_package(installed, tmp_path
     """The profile's relative ``vllm.python`` and ``model_dir`` are resolved against ``$CHIMERA_HOME`` (else the
     current directory); ``$CHIMERA_VLLM_PYTHON`` and ``$CHIMERA_MODEL_DIR`` override them."""
     site, _ = installed
-    code = ("from services.profiles import load_profile; from services.vllm_server import server_spec; "
+    code = ("from services.config.profiles import load_profile; from services.engines.vllm_server import server_spec; "
             "p = load_profile('cpu'); print(server_spec(p.vlm.engine, 'llm').python); print(p.resolved_model_dir())")
     home = tmp_path / "project"
     home.mkdir()

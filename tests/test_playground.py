@@ -1,4 +1,4 @@
-"""The web playground (``services/playground/``, served at ``/``) in a real browser: Playwright driving Debian's
+"""The web playground (``services/api/static/``, served at ``/``) in a real browser: Playwright driving Debian's
 Chromium (headless; ``CHIMERA_CHROMIUM``, else Debian's ``/usr/bin/chromium``, else Playwright's own build: ``make
 browser``, a step of ``make test``, installs one) against the session's cpu service.
 
@@ -297,8 +297,8 @@ def keyed_url(profile, serve_url):
     import uvicorn
     from ray import serve
 
-    from services.app import build_app
-    from services.backends import RayBackend
+    from services.api.app import build_app
+    from services.deployments.backends import RayBackend
     from services.serve_app import APP_NAME
 
     prof = profile.model_copy(update={"server": profile.server.model_copy(update={"api_keys": ["sk-right"]})})

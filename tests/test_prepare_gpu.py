@@ -1,7 +1,7 @@
 """``chimera prepare`` for profiles that name hub checkpoints (the gpu profile): which files are fetched, the
 ``--dry-run`` listing, ``HF_HUB_OFFLINE``, and that the engines' loaders then find the tower in the fetched dir.
 
-No network: the repos are a local mirror written by the test (``--mirror``, :class:`services.weights.DirSource`),
+No network: the repos are a local mirror written by the test (``--mirror``, :class:`services.config.weights.DirSource`),
 with a real (tiny, random) MoonViT stored under ``vision_tower.*`` in one shard of a three-shard checkpoint."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from core.config import resolve_path
 from grafting.tower import build_random_tower, build_tower_config, load_tower
 from services.cli import app as cli
-from services.profiles import load_profile
-from services.weights import MANIFEST, checkpoints, select_files
+from services.config.profiles import load_profile
+from services.config.weights import MANIFEST, checkpoints, select_files
 
 TOWER_REPO, LLM_REPO = "moonshotai/Kimi-K2.5", "org/tiny-llm"
 
@@ -160,7 +160,7 @@ def test_a_mirror_without_the_repo_is_a_clear_error(mirror, tmp_path):
 
 def test_an_unreachable_hub_is_a_fetch_error_naming_the_repo(tmp_path, monkeypatch):
     """Port 9 on the loopback refuses connections: the hub client's error becomes a FetchError, no traceback."""
-    from services.weights import FetchError, HubSource, plan
+    from services.config.weights import FetchError, HubSource, plan
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("CHIMERA_MODEL_DIR", str(tmp_path))

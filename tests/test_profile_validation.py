@@ -3,7 +3,7 @@
 Otherwise it loads, and every request that leaves the field out gets a 400 about a field the client never sent
 (e.g. ``default_max_new_tokens`` over ``max_new_tokens``: each chat request without ``max_tokens`` answered
 "max_tokens must be an integer from 1 to ..."). Each case edits one key of the shipped cpu profile (gpu where the
-key only exists there) and expects :class:`services.profiles.ProfileError` naming the full dotted key.
+key only exists there) and expects :class:`services.config.profiles.ProfileError` naming the full dotted key.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import copy
 import pytest
 import yaml
 
-from services.profiles import CONFIG_DIR, ProfileError, load_profile, parse_profile
+from services.config.profiles import CONFIG_DIR, ProfileError, load_profile, parse_profile
 
 CPU = yaml.safe_load((CONFIG_DIR / "cpu.yaml").read_text())
 GPU = yaml.safe_load((CONFIG_DIR / "gpu.yaml").read_text())
@@ -88,7 +88,7 @@ def test_the_deployment_refuses_it_too():
 
     from core.config import ConfigFieldError
     from grafting.config import VLMConfig
-    from services.profiles import FamilySection
+    from services.config.profiles import FamilySection
 
     section = edited(CPU, {"vlm.engine.default_max_new_tokens": 4096})["vlm"]
     with pytest.raises(ValidationError) as info:

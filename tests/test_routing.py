@@ -1,4 +1,4 @@
-"""Cache-aware routing (services/routing.py): the router under real Ray Serve with 2 replicas.
+"""Cache-aware routing (services/deployments/routing.py): the router under real Ray Serve with 2 replicas.
 
 The replicas are a small test deployment that records which image keys it has seen (what a VLM replica's
 image cache holds after serving them) and answers with its replica id and whether the request's images were
@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray import serve
 
-from services.routing import PAYLOAD_KEY, image_routing_keys, router_config
+from services.deployments.routing import PAYLOAD_KEY, image_routing_keys, router_config
 from tests.conftest import free_port
 
 

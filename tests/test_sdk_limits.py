@@ -21,9 +21,9 @@ import httpx
 import openai
 import pytest
 
-from services.app import build_app
-from services.backends import LocalBackend
-from services.profiles import parse_profile
+from services.api.app import build_app
+from services.deployments.backends import LocalBackend
+from services.config.profiles import parse_profile
 
 RETRY_AFTER_S = 2
 

@@ -9,10 +9,10 @@ import httpx
 import pytest
 import yaml
 
-from services.app import build_app
-from services.backends import LocalBackend
-from services.edge import EdgeMiddleware
-from services.profiles import CONFIG_DIR, ProfileError, load_profile, parse_profile
+from services.api.app import build_app
+from services.deployments.backends import LocalBackend
+from services.api.edge import EdgeMiddleware
+from services.config.profiles import CONFIG_DIR, ProfileError, load_profile, parse_profile
 
 
 def test_cpu_profile_is_valid_and_fractional(profile):
@@ -116,7 +116,7 @@ def test_readyz_answers_at_once_while_a_deployment_is_slow_and_probes_it_once(pr
     the clients' timeouts. Now a slow deployment is probed once in the background: each /readyz answers 503
     "loading" without waiting for it (ceiling: the 5 s probe timeout, which the old code waited out), reuses
     the probe in flight instead of starting another, and is 200 once that probe returns True."""
-    from services.readiness import PROBE_TIMEOUT_S, READY_WAIT_S
+    from services.api.readiness import PROBE_TIMEOUT_S, READY_WAIT_S
 
     class Slow:  # a replica still loading: its ready() answers only when the test lets it
         def __init__(self):
@@ -145,7 +145,7 @@ def test_readyz_answers_at_once_while_a_deployment_is_slow_and_probes_it_once(pr
 
 
 def _requests_count(endpoint: str, status: str, method: str = "GET") -> float:
-    from services import metrics
+    from services.api import metrics
 
     return metrics.REQUESTS.labels(endpoint, method, status)._value.get()
 
@@ -154,7 +154,7 @@ def test_metrics_count_an_abandoned_request_as_client_closed_not_500():
     """A request whose client goes away before any response (Serve cancels its task) was counted as a 500 though
     no 500 was sent; it is counted as 499 (``metrics.CLIENT_CLOSED``). A raise before any response is a 500 (what
     Starlette then sends), and a started response keeps its status."""
-    from services.app import MetricsMiddleware
+    from services.api.metrics import MetricsMiddleware
 
     entered = asyncio.Event()
 
@@ -247,7 +247,7 @@ def test_edge_strips_override_headers_and_shapes_ray_errors():
 def test_ray_back_pressure_and_unavailable_become_429_and_503():
     from ray.serve.exceptions import BackPressureError
 
-    from services.errors import to_api_error
+    from services.api.errors import to_api_error
 
     err = to_api_error(BackPressureError(num_queued_requests=32, max_queued_requests=32))
     assert err.status == 429 and err.code == "queue_full" and int(err.headers["Retry-After"]) >= 1
@@ -260,7 +260,7 @@ def test_ray_back_pressure_and_unavailable_become_429_and_503():
 
 
 def test_metrics_label_by_route_template_not_raw_path(profile):
-    from services import metrics
+    from services.api import metrics
 
     app = build_app(_vlm_only(profile), {"vlm": LocalBackend(EchoDeployment())})
 
@@ -283,7 +283,7 @@ def test_metrics_label_by_route_template_not_raw_path(profile):
 def vlm_deployment(profile, model_dir):
     """The real VLM deployment class, in this process (no Ray), on the transformers backend (whose batcher and
     in-process LLM these tests exercise; the vllm backend's are in tests/test_vlm_vllm.py)."""
-    from services.chat import Deployment
+    from services.deployments.vlm import Deployment
 
     section = profile.vlm.model_dump(mode="json")
     section["engine"]["backend"] = "transformers"
@@ -384,8 +384,8 @@ class _Body:
     (rb'{"session": {"k\ud800": 1}}', "session.k\\ud800"),                                  # a key
 ])
 def test_json_object_refuses_strings_that_are_not_unicode(raw, param):
-    from services.app import json_object
-    from services.errors import APIError
+    from services.api.body import json_object
+    from services.api.errors import APIError
 
     with pytest.raises(APIError) as ei:
         asyncio.run(json_object(_Body(raw)))
@@ -395,8 +395,8 @@ def test_json_object_refuses_strings_that_are_not_unicode(raw, param):
 
 
 def test_json_object_keeps_valid_unicode_and_its_other_errors():
-    from services.app import json_object
-    from services.errors import APIError
+    from services.api.body import json_object
+    from services.api.errors import APIError
 
     ok = asyncio.run(json_object(_Body('{"t": "caf\\u00e9 \\ud83d\\ude00 \u00e9\u4e2d", "k\u00e9": ["\\n"]}'.encode())))
     assert ok == {"t": "caf\u00e9 \U0001F600 \u00e9\u4e2d", "k\u00e9": ["\n"]}
@@ -438,8 +438,8 @@ def test_video_call_cancelled_by_serve_ends_as_cancelled_not_as_a_failure():
     shutdown test's log. The stand-in manager raises what Ray raises; the manager's own errors still unwrap."""
     import ray
 
-    from services.job_manager import JobError
-    from services.videos import Deployment
+    from services.jobs.errors import JobError
+    from services.deployments.video import Deployment
 
     class _Method:
         def __init__(self, exc):

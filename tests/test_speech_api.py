@@ -561,9 +561,9 @@ def looping_app(profile, model_dir):
     """The speech router over a Deployment whose LM is the scripted LoopingLM (no Ray): ``(app, deployment)``."""
     import torch
 
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.speech import Deployment
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.deployments.speech import Deployment
     from tests.test_audio_engine import LoopingLM
     from audio.engine import TTSEngine
 
@@ -695,9 +695,9 @@ def local_app(profile, model_dir):
     ``(app, deployment)``."""
     import torch
 
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.speech import Deployment
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.deployments.speech import Deployment
 
     before = torch.get_num_threads()
     section = profile.tts.model_dump(mode="json")

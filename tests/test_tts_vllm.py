@@ -1,7 +1,7 @@
 """The speech LM on vLLM (``tts.engine.backend: vllm``) against the in-process ``transformers`` reference.
 
 One vLLM server of the cpu profile's speech LM runs for the module (started like the deployment does, with
-``services.vllm_server.start_vllm_for``; no Ray; run it under the e2e lock). Asserted:
+``services.engines.vllm_server.start_vllm_for``; no Ray; run it under the e2e lock). Asserted:
 
 - inside vLLM, the frame-position logits processor lets no out-of-position id through even when the request's
   ``logit_bias`` (+100, far above the random model's logits) prefers wrong-position ids, end_of_speech and a text
@@ -32,7 +32,7 @@ from audio.engine import Cancelled, SpeechAudio, SpeechDone, TTSEngine
 from audio.generate import SentenceReport, generate_frames
 from audio.layout import parse_frames
 from audio.vllm_backend import VLLMSpeechLM
-from services.vllm_server import start_vllm_for
+from services.engines.vllm_server import start_vllm_for
 
 CEILING_S = 120.0  # a hang guard for polls of vLLM's metrics, far above any real wait
 

@@ -494,10 +494,10 @@ class _RecordingManager:
 
 def _video_ingress(profile, **limits_and_engine):
     """(ASGI app of the ingress with only the video family, its recording manager, the VideoConfig)."""
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.profiles import parse_profile
-    from services.videos import Deployment
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.config.profiles import parse_profile
+    from services.deployments.video import Deployment
 
     data = profile.model_dump(mode="json")
     data["vlm"] = data["tts"] = None

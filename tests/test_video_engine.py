@@ -148,7 +148,7 @@ def test_unknown_fields_are_refused_by_name(cfg):
 
 # ---- duration: the rule of video.request, against both profiles' configs (no model needed) -------------------
 def _profile_cfg(name):
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     return load_profile(name).video.engine
 
@@ -405,7 +405,7 @@ def test_real_wan22_ti2v_5b_shapes_on_meta():
                                latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
     n = sum(p.numel() for p in tr.parameters())
     assert 4.8e9 < n < 5.2e9, n
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     cfg = load_profile("gpu").video.engine
     assert cfg.variant == "ti2v" and cfg.size_multiple == vae.config.scale_factor_spatial * tr.config.patch_size[1]

@@ -14,8 +14,9 @@ import uuid
 
 import pytest
 
-from services.errors import APIError
-from services.job_manager import ENGINE_LOAD_ATTEMPTS, config_hash, get_manager
+from services.api.errors import APIError
+from services.jobs.actor import get_manager
+from services.jobs.manager import ENGINE_LOAD_ATTEMPTS, config_hash
 from tests.test_video_jobs import LONG, _gone, _manager, _no_manager_outlives_its_test, _submit, _wait  # noqa: F401
 from video.request import plan_request
 
@@ -84,7 +85,7 @@ def test_ready_means_a_worker_holds_its_engine(ray_cluster, profile, model_dir, 
     import ray
 
     from core.llm_client import EngineUnavailableError
-    from services.videos import Deployment
+    from services.deployments.video import Deployment
 
     missing = tmp_path / "no_such_wan"
     sec = _section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}", workers=1)  # one slot to give up
@@ -122,7 +123,7 @@ def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_
     dead handle is 503 ``model_unavailable`` (not repeated: it may have been applied), the next create works."""
     import ray
 
-    from services.videos import Deployment
+    from services.deployments.video import Deployment
 
     dep = Deployment(_section(profile, tmp_path, f"test-mgr-{uuid.uuid4().hex[:8]}"), str(model_dir))
     _ready(dep)

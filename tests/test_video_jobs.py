@@ -14,8 +14,9 @@ import uuid
 import psutil
 import pytest
 
-from services.job_manager import JobError, JobManager
-from services.job_store import JobStore
+from services.jobs.errors import JobError
+from services.jobs.manager import JobManager
+from services.jobs.store import JobStore
 from video.request import plan_request
 
 
@@ -110,7 +111,7 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     # a job still queued when the service died (never started): written straight into the store as the newest
     # job, derived from the running job's row (no wall-clock gap between jobs is assumed). 1000 s ahead: as if the
     # clock had stepped back across the restart.
-    from services.job_store import JobStore
+    from services.jobs.store import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path}/jobs.sqlite", tmp_path / "results")
     row, running_row = store.get(done), store.get(running)

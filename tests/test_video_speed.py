@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 
 def _gpu_cfg():
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     return load_profile("gpu").video.engine
 

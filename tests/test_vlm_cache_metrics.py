@@ -1,8 +1,8 @@
-"""Image-cache and collapse-guard metrics (services/metrics.py) folded from the replicas' chat end events."""
+"""Image-cache and collapse-guard metrics (services/api/metrics.py) folded from the replicas' chat end events."""
 
 from __future__ import annotations
 
-from services import metrics
+from services.api import metrics
 
 
 def _value(metric, **labels) -> float:
@@ -49,10 +49,10 @@ def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model
     import httpx
     import openai
 
-    from services.app import build_app
-    from services.backends import LocalBackend
-    from services.chat import Deployment
-    from services.profiles import parse_profile
+    from services.api.app import build_app
+    from services.deployments.backends import LocalBackend
+    from services.deployments.vlm import Deployment
+    from services.config.profiles import parse_profile
     from tests.conftest import data_url
 
     data = profile.model_dump(mode="json")

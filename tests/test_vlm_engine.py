@@ -330,7 +330,7 @@ def test_the_vllm_backend_takes_an_injected_client_and_only_it_does(profile, mod
     """The engine starts no process of its own: ``backend="vllm"`` without ``llm_client`` (or ``transformers``
     with one) is refused before anything loads."""
     from core.vllm_client import VLLMClient
-    from services.engine_process import ServerProcess, ServerSpec
+    from services.engines.process import ServerProcess, ServerSpec
 
     client = VLLMClient(ServerProcess(ServerSpec(python="/nonexistent/python", module="m")))  # never started
     with pytest.raises(ValueError, match="the vllm backend takes an llm_client"):

@@ -1,6 +1,6 @@
 """The chat path against a scripted stand-in for vLLM's OpenAI server: engine faults and connection reuse.
 
-The stand-in (:data:`STAND_IN`, run by the real supervisor ``services.engine_process.ServerProcess``) answers
+The stand-in (:data:`STAND_IN`, run by the real supervisor ``services.engines.process.ServerProcess``) answers
 ``/health`` and ``/v1/completions`` like vLLM, but misbehaves on purpose as its ``mode`` says (``POST /mode``): a
 stream line that is not JSON, before or after the first token, a logprob token that is not an id, an HTTP 500 or
 404. Each is the engine's fault, so chat must answer 500 ``engine_error`` (streamed or not; mid-stream an SSE error
@@ -26,11 +26,11 @@ import openai
 import psutil
 import pytest
 
-from services.app import build_app
-from services.backends import LocalBackend
+from services.api.app import build_app
+from services.deployments.backends import LocalBackend
 from core.vllm_client import VLLMClient
-from services.engine_process import ServerProcess, ServerSpec
-from services.profiles import parse_profile
+from services.engines.process import ServerProcess, ServerSpec
+from services.config.profiles import parse_profile
 
 STAND_IN = textwrap.dedent('''
     import argparse, http.server, json, threading
@@ -147,8 +147,8 @@ def open_sockets(client) -> int:
 @pytest.fixture(scope="module")
 def app(stand_in, profile, model_dir):
     """The ingress app over the cpu profile's VLM deployment whose engine is the stand-in."""
-    import services.vllm_server
-    from services.chat import Deployment
+    import services.engines.vllm_server
+    from services.deployments.vlm import Deployment
 
     data = profile.model_dump(mode="json")
     data["video"] = data["tts"] = None
@@ -156,7 +156,7 @@ def app(stand_in, profile, model_dir):
     section = copy.deepcopy(prof.vlm.model_dump(mode="json"))
     assert section["engine"]["backend"] == "vllm"
     mp = pytest.MonkeyPatch()
-    mp.setattr(services.vllm_server, "start_vllm_for", lambda cfg, model_dir: stand_in)  # this engine, not vLLM
+    mp.setattr(services.engines.vllm_server, "start_vllm_for", lambda cfg, model_dir: stand_in)  # this engine, not vLLM
     try:
         dep = Deployment(section, str(model_dir))
     finally:

@@ -18,10 +18,10 @@ import openai
 import pytest
 
 from grafting.token_bytes import TokenBytes
-from services.app import build_app
-from services.backends import LocalBackend
-from services.chat import Deployment
-from services.profiles import parse_profile
+from services.api.app import build_app
+from services.deployments.backends import LocalBackend
+from services.deployments.vlm import Deployment
+from services.config.profiles import parse_profile
 
 REPLACEMENT = "\ufffd".encode()  # EF BF BD
 # (prompt, max_tokens, characters the greedy answer holds; ends on a whole character)

@@ -3,7 +3,7 @@
 Three VLM deployments of the cpu profile run in this process (no Ray, so no e2e lock): one with ``backend: vllm``
 (the cpu profile's own: vLLM's server in .venv-vllm, fp32, eager), one with ``backend: transformers``, and one on
 vLLM with n-gram speculation (its server starts beside the first, for the speculation test). Each sits
-behind the real ingress app (``services.app.build_app``) driven over ``httpx.ASGITransport`` by
+behind the real ingress app (``services.api.app.build_app``) driven over ``httpx.ASGITransport`` by
 ``openai.AsyncOpenAI``. Greedy fp32 answers must agree token for token, with and without images, streamed and
 not; logprobs agree within :data:`LOGPROB_TOL`; structured outputs always parse and match their schema.
 
@@ -30,10 +30,10 @@ import openai
 import pytest
 
 from grafting.train.synth import render, sample_scene
-from services.app import build_app
-from services.backends import LocalBackend
-from services.chat import Deployment
-from services.profiles import parse_profile
+from services.api.app import build_app
+from services.deployments.backends import LocalBackend
+from services.deployments.vlm import Deployment
+from services.config.profiles import parse_profile
 from tests.conftest import data_url
 
 LOGPROB_TOL = 2e-3

@@ -5,12 +5,12 @@
 - Body size limits per route, before the body reaches the app (in the proxy: before it reaches any replica):
   a ``Content-Length`` over the route's limit is answered 413 ``request_too_large`` without passing anything on;
   a body without one (chunked) is read here up to the limit, then handed on whole, or refused the same way the
-  moment it passes the limit. Limits come from the profile (``server.limits``, :class:`services.profiles.EdgeLimits`);
+  moment it passes the limit. Limits come from the profile (``server.limits``, :class:`services.config.profiles.EdgeLimits`);
   in Ray's proxy process from the ``CHIMERA_EDGE_LIMITS`` environment variable, which
   :func:`services.serve_app.init_ray` sets from the profile.
 - Rewrites plain-text error bodies (Ray's own 408/429/500/503) into OpenAI's error shape, adding
   ``Retry-After`` to 429/503.
-Ray's proxy loads it through ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=services.edge:proxy_middlewares``.
+Ray's proxy loads it through ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=services.api.edge:proxy_middlewares``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -133,3 +134,60 @@ def observe_vlm_end_event(model: str, event: dict) -> None:
         observe_image_cache(model, str(cache.get("replica", "")), cache["stats"])
     if isinstance(event.get("collapse"), dict):
         observe_collapse(model, event["collapse"])
+
+
+class MetricsMiddleware:
+    """Counts requests and records latency per route template (``/v1/videos/{video_id}``), status included.
+
+    The label is the matched route's template, read from ``scope["route"]`` after routing (FastAPI's routes);
+    a request the router answered through a plain Starlette route or a mount (``/docs``, ``/openapi.json``,
+    ``/playground/{path}``) gets that route's path (``router``: the app's router, matched against the request's
+    scope as it came in); requests matching no route are labelled ``unmatched`` so arbitrary paths cannot create
+    new series.
+
+    The status is the one sent (``http.response.start``). A request that ends before any response was sent is
+    counted as :data:`services.api.CLIENT_CLOSED` (``499``, nginx's "client closed request") when the client
+    went away (its task was cancelled, as Serve does on a disconnect, or the app saw ``http.disconnect`` and
+    returned), else ``500`` (Starlette's ``ServerErrorMiddleware`` outside this one, or the server, answers 500)."""
+
+    def __init__(self, app, router=None):
+        self.app = app
+        self.router = router
+
+    def _label(self, scope, original) -> str:
+        route = scope.get("route")
+        if getattr(route, "path", None):
+            return route.path
+        from starlette.routing import Match, Mount
+
+        for r in getattr(self.router, "routes", ()):
+            if r.matches(original)[0] != Match.NONE:
+                return f"{r.path}/{{path}}" if isinstance(r, Mount) else r.path
+        return "unmatched"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status, original = time.perf_counter(), {"code": None, "gone": False}, dict(scope)
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        async def receive_wrapper():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                status["gone"] = True
+            return message
+
+        try:
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except asyncio.CancelledError:
+            status["gone"] = True
+            raise
+        finally:
+            ep = self._label(scope, original)
+            sent = status["code"] or (CLIENT_CLOSED if status["gone"] else 500)
+            REQUESTS.labels(ep, scope["method"], str(sent)).inc()
+            REQUEST_LATENCY.labels(ep, scope["method"]).observe(time.perf_counter() - t0)

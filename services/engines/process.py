@@ -7,11 +7,11 @@ Why a process and not a library: vLLM pins its own torch and transformers, so it
 (``make install`` builds ``.venv-vllm``) and cannot share the service's interpreter; its OpenAI server is its
 public, versioned, typed interface (the same boundary vLLM itself draws between its API server and its engine).
 
-:class:`ServerProcess` runs ``<python> -m <module> <args>`` under :mod:`services.engine_guard` in its own session
+:class:`ServerProcess` runs ``<python> -m <module> <args>`` under :mod:`services.engines.guard` in its own session
 (process group). The guard gets ``PR_SET_PDEATHSIG(SIGTERM)``, so the kernel signals it when the supervising
 thread's process dies, even by SIGKILL, and it then kills the whole group (vLLM's API server spawns engine-core and
 worker processes that would otherwise outlive it); if the guard is SIGKILLed too (Ray kills a dying replica's
-children), every engine process follows its dead parent (``services/engine_site/sitecustomize.py``); ``atexit``
+children), every engine process follows its dead parent (``services/engines/engine_site/sitecustomize.py``); ``atexit``
 stops it on a clean exit: it is never orphaned. One supervisor thread spawns it (``PR_SET_PDEATHSIG`` fires when the
 *thread* that forked exits, so every spawn happens on that one long-lived thread), polls ``GET /health``, and
 when the process dies or stops answering kills its whole group (vLLM's engine-core workers included) and starts
@@ -48,7 +48,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-GUARD = str(Path(__file__).resolve().parent / "engine_guard.py")
+GUARD = str(Path(__file__).resolve().parent / "guard.py")
 ENGINE_SITE = str(Path(__file__).resolve().parent / "engine_site")
 
 
@@ -185,7 +185,7 @@ class ServerProcess:
         """Start the server process into ``_proc`` unless ``stop()`` was called; returns whether it started."""
         env = dict(os.environ)
         env.update(self.spec.env)
-        # the engine's processes follow a dead parent down (services/engine_site/sitecustomize.py)
+        # the engine's processes follow a dead parent down (services/engines/engine_site/sitecustomize.py)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ENGINE_SITE, env.get("PYTHONPATH")) if p)
         argv = [sys.executable, GUARD, self.spec.python, "-m", self.spec.module, *self.spec.args,
                 "--host", self.spec.host, "--port", str(self.port)]

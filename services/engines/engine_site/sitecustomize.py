@@ -1,7 +1,7 @@
 """Imported at start-up by every Python process of a supervised engine server: its parent-death watch.
 
-:class:`services.engine_process.ServerProcess` puts this folder first on the engine's ``PYTHONPATH``, and
-:mod:`services.engine_guard` sets ``CHIMERA_ENGINE_DIE_WITH_PARENT=1`` for the command it runs, so the engine server and every
+:class:`services.engines.process.ServerProcess` puts this folder first on the engine's ``PYTHONPATH``, and
+:mod:`services.engines.guard` sets ``CHIMERA_ENGINE_DIE_WITH_PARENT=1`` for the command it runs, so the engine server and every
 Python process it spawns (vLLM's engine core, its workers, multiprocessing's resource tracker: all fresh
 interpreters) start a daemon thread that SIGKILLs its own process once its parent has died (``os.getppid()``
 changed: the process was re-parented). The guard sweeps the group when it can; this covers the case where it

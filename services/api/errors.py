@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..boundary import unwrap
+
 log = logging.getLogger("chimera")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -45,15 +47,6 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The user-level exception inside a Ray error (``RayTaskError.cause``), else ``exc`` itself."""
-    seen = 0
-    while getattr(exc, "cause", None) is not None and seen < 5:
-        exc = exc.cause
-        seen += 1
-    return exc
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -114,3 +107,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):
         return error_response(to_api_error(exc))
+
+
+def raise_if_error_event(event: dict) -> None:
+    """Raise the APIError carried by an ``error`` event of a replica's stream
+    (:func:`services.deployments.events.input_error_event`); any other event passes."""
+    if event.get("type") == "error":
+        raise APIError(event["status"], event["message"], param=event.get("param"), code=event.get("code"))

@@ -11,7 +11,8 @@ import inspect
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from .errors import unwrap
+from ..boundary import unwrap
+
 
 
 class Backend(Protocol):

@@ -56,7 +56,7 @@ class FamilySection(Strict, Generic[E]):
 
 
 class EdgeLimits(Strict):
-    """Size and time limits enforced at the edge (``services/edge.py``, in Ray's proxy: before any replica).
+    """Size and time limits enforced at the edge (``services/api/edge.py``, in Ray's proxy: before any replica).
 
     Body limits in bytes per route (``Content-Length``, or counted while a chunked body arrives; over it: 413
     ``request_too_large``); ``default_body_bytes`` covers every other request. Websocket
@@ -75,7 +75,7 @@ class EdgeLimits(Strict):
     ws_idle_timeout_s: float = Field(300.0, gt=0)
 
     def body_limits(self) -> dict:
-        """The body limits as :class:`services.edge.EdgeMiddleware` takes them: ``{"routes", "default"}``."""
+        """The body limits as :class:`services.api.edge.EdgeMiddleware` takes them: ``{"routes", "default"}``."""
         return {"routes": {"/v1/chat/completions": self.chat_body_bytes, "/v1/audio/speech": self.speech_body_bytes,
                            "/v1/videos": self.video_body_bytes, "/v1/videos/extensions": self.extension_body_bytes},
                 "default": self.default_body_bytes}
@@ -111,7 +111,7 @@ class ServerOptions(Strict):
 class RayOptions(Strict):
     """Options for ``ray.init`` when ``chimera serve`` starts a local cluster (ignored when joining one).
 
-    ``gpu_memory_gib``: memory of each GPU, for the memory plan checked at start (``services/memory_plan.py``,
+    ``gpu_memory_gib``: memory of each GPU, for the memory plan checked at start (``services/config/memory_plan.py``,
     ``chimera profile show``); None: read from the visible CUDA devices, unchecked where there are none.
     """
 

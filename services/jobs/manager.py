@@ -1,9 +1,9 @@
 """Video jobs: the job-manager Ray actor, and one Ray task per job.
 
-- :class:`JobManager`: a (detached, named) Ray actor, the one writer of the :class:`services.job_store.JobStore`.
-  At start it creates ``jobs.workers`` :class:`services.job_runner.JobWorker` actors (owned by it, so they die
+- :class:`JobManager`: a (detached, named) Ray actor, the one writer of the :class:`services.jobs.store.JobStore`.
+  At start it creates ``jobs.workers`` :class:`services.jobs.runner.JobWorker` actors (owned by it, so they die
   with it), each asking Ray for ``gpus_per_job`` GPUs (1 in GPU profiles; 0 on the cpu profile) and holding its
-  engine on the GPU it was given (why one long-lived actor per GPU: see :mod:`services.job_runner`). Jobs wait
+  engine on the GPU it was given (why one long-lived actor per GPU: see :mod:`services.jobs.runner`). Jobs wait
   in the manager, first in first out, for an idle worker; a worker runs one job at a time, so one job owns one
   GPU. Cancel kills the job's worker (its GPU is free at once) and a fresh worker takes its slot; a worker that
   dies mid-job fails the job (``worker_died``) and is replaced the same way.
@@ -15,8 +15,8 @@
 - Expiry: a finished job (completed or failed) expires ``jobs.ttl_s`` after it finished (``expires_at``); from
   then on it is gone, exactly like a deleted one (404 ``video_not_found``), and its record and files are removed:
   on access, and by a sweep of every expired job on each create, list and manager start.
-- The manager is restarted by Ray when it dies (:func:`get_manager`: ``max_restarts=-1``); the restarted one
-  applies the restart recovery below on first contact. :func:`get_manager` replaces a running manager whose
+- The manager is restarted by Ray when it dies (:func:`services.jobs.actor.get_manager`: ``max_restarts=-1``); the restarted one
+  applies the restart recovery below on first contact. :func:`services.jobs.actor.get_manager` replaces a running manager whose
   configuration differs (a redeploy with a changed profile) instead of reusing it.
 - Restart recovery (documented behaviour): when a manager starts on an existing store, jobs that were
   ``in_progress`` become ``failed`` with error code ``interrupted`` (their partial work is lost; the client
@@ -33,7 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from .job_store import ACTIVE, JobStore, request_hash, video_object
+from .errors import JobError
+from .slots import WorkerSlots
+from .store import ACTIVE, JobStore, request_hash, video_object
 
 log = logging.getLogger("chimera")
 
@@ -42,23 +44,9 @@ log = logging.getLogger("chimera")
 ENGINE_LOAD_ATTEMPTS = 3
 
 
-class JobError(Exception):
-    """An error answered to the client: ``status_code`` 404 unknown id, 409 wrong state, 429 queue full."""
-
-    def __init__(self, status_code: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.code = code
-        self.param = param
-
-    def __reduce__(self):  # crosses Ray process boundaries intact
-        return (type(self), (self.status_code, str(self), self.code, self.param))
-
-
-# ---- the manager actor ---------------------------------------------------------------------------------------
-class JobManager:
+class JobManager(WorkerSlots):
     """Owns the store and the job workers, and runs each job on one (wrap with ``ray.remote``; see
-    :func:`get_manager`).
+    :func:`services.jobs.actor.get_manager`).
 
     ``engine_cfg``: the video engine config (dict); ``model_dir``: the profile's model dir; ``model_id``: the
     public model id; ``load_attempts``: worker starts per slot in a row whose engine does not load before the slot
@@ -242,132 +230,9 @@ class JobManager:
         self._launch(row)
         return video_object(row)
 
-    def _new_worker(self):
-        """A fresh JobWorker actor (its engine loads at once, on the GPU Ray gives it)."""
-        import ray
-
-        from .job_runner import JobWorker
-
-        jobs = self.cfg.jobs
-        return ray.remote(JobWorker).options(num_gpus=jobs.gpus_per_job, num_cpus=jobs.cpus_per_job,
-                                             max_restarts=0, max_concurrency=1).remote(
-            self.cfg_json, self.model_dir, jobs.gpus_per_job)
-
-    def _start_worker(self, slot: int) -> None:
-        """Put a fresh worker in ``slot``; the slot takes jobs once its engine has loaded (:meth:`_load`)."""
-        self.workers[slot] = self._new_worker()
-        self.starts[slot] += 1
-        self.slot_state[slot] = "loading"
-        if self._watching_loads:
-            self._spawn_load(slot)
-
-    def _watch_loads(self) -> None:
-        """Start watching the engine load of every slot's worker (once; first contact, on the event loop)."""
-        if not self._watching_loads:
-            self._watching_loads = True
-            for slot in range(len(self.workers)):
-                self._spawn_load(slot)
-
-    def _spawn_load(self, slot: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._load(slot, self.workers[slot]))
-        self._loading.add(task)
-        task.add_done_callback(self._loading.discard)
-
-    async def _load(self, slot: int, worker) -> None:
-        """Wait for ``worker``'s engine. Loaded: the slot takes jobs. Not loaded (an error, or the process died
-        while loading): the worker is killed and another started, unless ``load_attempts`` in a row failed; then
-        the slot is given up, and once every slot is, :attr:`engine_error` is set and the waiting jobs woken."""
-        import ray
-
-        try:
-            error = (await worker.status.remote())["error"]
-        except ray.exceptions.RayActorError as exc:
-            error = f"the worker process died while loading the engine: {type(exc).__name__}: {exc}"[:2000]
-        if self.workers[slot] is not worker:  # replaced meanwhile (a cancel killed it)
-            return
-        if error is None:
-            self.load_failures[slot] = 0
-            self.slot_state[slot] = "ready"
-            self.idle.put_nowait(slot)
-            return
-        self.load_failures[slot] += 1
-        self.load_errors[slot] = error
-        ray.kill(worker, no_restart=True)
-        if self.load_failures[slot] < self.load_attempts:
-            self._start_worker(slot)
-            return
-        self.slot_state[slot] = "failed"
-        log.error("video job worker %d: the engine did not load %d times in a row, slot given up: %s", slot,
-                  self.load_failures[slot], error)
-        if all(st == "failed" for st in self.slot_state):
-            self.engine_error = (f"no video job worker could load its engine ({self.load_failures[slot]} "
-                                 f"attempts per worker): {error}")
-            self.idle.put_nowait(None)  # wakes the waiting jobs: each fails and passes it on
-
-    def _replace_worker(self, slot: int) -> None:
-        """Kill the worker in ``slot`` (no restart: its GPU is free at once) and put a fresh one there."""
-        import ray
-
-        ray.kill(self.workers[slot], no_restart=True)
-        self._start_worker(slot)
-
-    def _launch(self, row: dict) -> None:
-        if row["id"] not in self.watchers:
-            self.watchers[row["id"]] = asyncio.get_running_loop().create_task(self._watch(row))
-
-    async def _watch(self, row: dict) -> None:
-        """Wait for an idle worker, run the job there, record the outcome; the worker's slot is given back."""
-        import ray
-
-        job_id, slot, worker = row["id"], None, None
-        ttl = self.cfg.jobs.ttl_s
-        try:
-            from video.request import seconds_label
-
-            slot = await self.idle.get()
-            if slot is None:  # every slot was given up: pass the wake-up on to the next waiting job
-                self.idle.put_nowait(None)
-                from core.llm_client import EngineUnavailableError
-
-                raise EngineUnavailableError(self.engine_error)
-            worker = self.workers[slot]
-            if not await self._io(self.store.update_if_active, job_id, status="queued"):  # deleted while it waited
-                return
-            self.busy[job_id] = slot
-            result = await worker.run.remote(job_id, str(self.store.job_dir(job_id)), row["params"], self._handle())
-            now = self.clock()
-            row = await self._io(self.store.get, job_id)
-            await self._io(self.store.update_if_active, job_id, status="completed", phase="encoding", progress=100,
-                           seconds=seconds_label(result["frames"], result["fps"]),
-                           clips_done=row["clips_total"] if row else 0, completed_at=now,
-                           expires_at=now + ttl, worker_started_at=result["started"],
-                           worker_finished_at=result["finished"])
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
-            if self.workers[slot] is worker:  # not already replaced by a cancel
-                self._replace_worker(slot)
-            now = self.clock()
-            await self._io(self.store.update_if_active, job_id, status="failed", error_code="worker_died",
-                           error_message=f"the job's worker stopped: {type(exc).__name__}: {exc}"[:2000],
-                           completed_at=now, expires_at=now + ttl)
-        except Exception as exc:  # noqa: BLE001 - recorded on the job
-            from services.errors import unwrap
-
-            cause = unwrap(exc)
-            code = getattr(cause, "code", None) or ("invalid_input" if isinstance(cause, ValueError)
-                                                    else "generation_failed")
-            now = self.clock()
-            await self._io(self.store.update_if_active, job_id, status="failed", error_code=str(code),
-                           error_message=f"{type(cause).__name__}: {cause}"[:2000], completed_at=now,
-                           expires_at=now + ttl)
-        finally:
-            self.busy.pop(job_id, None)
-            self.watchers.pop(job_id, None)
-            if slot is not None and self.workers[slot] is worker:  # a replaced worker's slot returns once loaded
-                self.idle.put_nowait(slot)
-
     # -- reports from job tasks
     async def started(self, job_id: str, where: dict) -> None:
-        """From the job's worker: where it runs (:meth:`services.job_runner.JobWorker.where`). Stored as
+        """From the job's worker: where it runs (:meth:`services.jobs.runner.JobWorker.where`). Stored as
         ``device`` (the worker's ``CUDA_VISIBLE_DEVICES``, or ``cpu`` without one), ``engine_device`` (the torch
         device of the engine's weights) and ``worker_pid``."""
         await self._io(self.store.update_if_active, job_id, status="in_progress", phase="denoising",
@@ -448,8 +313,6 @@ class JobManager:
     async def delete(self, job_id: str, owner: str | None = None) -> dict:
         """Cancel a queued/running job (its worker is killed: the GPU is free at once) and delete its record
         and files. Raises JobError(404) for unknown (or already deleted, or another owner's) ids."""
-        import ray
-
         await self._row(job_id, owner=owner)
         await self._io(self.store.update_if_active, job_id, status="cancelled", error_code=None)
         slot = self.busy.pop(job_id, None)
@@ -470,7 +333,7 @@ class JobManager:
         return list(self.watchers)
 
     async def workers_where(self) -> list[dict]:
-        """:meth:`services.job_runner.JobWorker.where` of each worker, by slot (a busy worker answers when its
+        """:meth:`services.jobs.runner.JobWorker.where` of each worker, by slot (a busy worker answers when its
         job ends)."""
         return list(await asyncio.gather(*(w.where.remote() for w in self.workers)))
 
@@ -486,48 +349,3 @@ def config_hash(engine_cfg: dict, model_dir: str, model_id: str) -> str:
     canon = json.dumps({"engine": engine_cfg, "model_dir": str(model_dir), "model_id": model_id}, sort_keys=True,
                        default=str)
     return hashlib.sha256(canon.encode()).hexdigest()
-
-
-def get_manager(engine_cfg: dict, model_dir: str, model_id: str, replace: bool = True, ceiling_s: float = 60.0):
-    """The named, detached JobManager actor of this profile with this configuration. Blocking (call it off an
-    event loop).
-
-    Detached: it outlives the Serve replica that created it (jobs keep running through a replica restart).
-    ``max_restarts=-1``: Ray restarts it when it dies, with the same arguments. A running manager whose
-    :func:`config_hash` differs from this configuration's (a redeploy with a changed profile) is killed and a
-    new one created in its place; its running jobs are then recovered as interrupted (module doc).
-    ``replace=False`` (a replica re-acquiring its lost handle): any live manager of that name is returned as it
-    is, so a replica of an older deployment never replaces its successor's manager during a rolling update.
-    ``ceiling_s``: how long to wait for a killed manager's name to be free (a bound against a hang). Raises
-    TimeoutError past it."""
-    import ray
-
-    from video.config import VideoConfig
-
-    jobs = VideoConfig.model_validate(engine_cfg).jobs
-    want = config_hash(engine_cfg, model_dir, model_id)
-    try:
-        old = ray.get_actor(jobs.actor_name, namespace=jobs.namespace)
-    except ValueError:  # none by that name
-        old = None
-    if old is not None:
-        try:
-            same = ray.get(old.get_config_hash.remote()) == want
-        except ray.exceptions.RayActorError:  # dying for good: replaced below
-            same = None
-        if same or (not replace and same is not None):
-            return old
-        ray.kill(old, no_restart=True)
-    actor = ray.remote(JobManager).options(name=jobs.actor_name, namespace=jobs.namespace, get_if_exists=True,
-                                           lifetime="detached", num_cpus=0, max_concurrency=64, max_restarts=-1)
-    deadline = time.monotonic() + ceiling_s
-    while True:
-        try:
-            handle = actor.remote(engine_cfg, model_dir, model_id)
-            if ray.get(handle.get_config_hash.remote()) == want or not replace:
-                return handle
-        except ray.exceptions.RayActorError:  # the name still held by the killed one, dying
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the job manager {jobs.actor_name!r} was not replaced within {ceiling_s} s")
-        time.sleep(0.1)

@@ -1,7 +1,7 @@
 """Process-group guard: run a command as a child and take its whole process group down with it.
 
-Usage: ``python engine_guard.py <command> [args...]`` (run by file path, stdlib only, so any interpreter can run it).
-:class:`services.engine_process.ServerProcess` starts this guard as the leader of a new session with
+Usage: ``python guard.py <command> [args...]`` (run by file path, stdlib only, so any interpreter can run it).
+:class:`services.engines.process.ServerProcess` starts this guard as the leader of a new session with
 ``PR_SET_PDEATHSIG(SIGTERM)``; the guard starts the engine server in the same process group. vLLM's API server
 spawns its engine-core and worker processes, which outlive a killed API server unless someone reaps them: the
 guard is that someone. When the command exits (crash, kill), or when the guard gets SIGTERM/SIGINT/SIGHUP
@@ -9,7 +9,7 @@ guard is that someone. When the command exits (crash, kill), or when the guard g
 ``GRACE_S`` seconds, then SIGKILLs every other process left in the group and exits. Those signals are unblocked
 at start (a mask inherited from a thread that blocks them would hold the parent-death SIGTERM pending forever).
 Should the guard be SIGKILLed itself, the command dies with it (``PR_SET_PDEATHSIG``) and the command's own Python children follow their
-parents down (``services/engine_site/sitecustomize.py``, activated by ``CHIMERA_ENGINE_DIE_WITH_PARENT=1``). Exit status: the command's
+parents down (``services/engines/engine_site/sitecustomize.py``, activated by ``CHIMERA_ENGINE_DIE_WITH_PARENT=1``). Exit status: the command's
 (128 + N when the command, or the guard itself, was killed by signal N).
 """
 

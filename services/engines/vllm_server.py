@@ -2,7 +2,7 @@
 :func:`speech_server_spec`) and its start with a client for the engine (:func:`start_vllm_for`, one launcher for
 both families), used by the VLM and speech deployments and by tests and benches without Ray.
 
-The server runs in ``.venv-vllm`` under :class:`services.engine_process.ServerProcess`; the engine
+The server runs in ``.venv-vllm`` under :class:`services.engines.process.ServerProcess`; the engine
 (``grafting/vllm_backend.py``, ``audio/vllm_backend.py``) gets the :class:`core.vllm_client.VLLMClient` and never
 this module.
 """
@@ -20,7 +20,7 @@ from core.constants import SERVED_NAME
 from core.vllm_client import VLLMClient
 from grafting.config import VLMConfig
 
-from .engine_process import ServerProcess, ServerSpec
+from .process import ServerProcess, ServerSpec
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm

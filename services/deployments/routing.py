@@ -31,7 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
                                       RunningReplica)
 
-ROUTER_PATH = "services.routing:ImageAffinityRouter"
+ROUTER_PATH = "services.deployments.routing:ImageAffinityRouter"
 PAYLOAD_KEY = "image_keys"
 
 

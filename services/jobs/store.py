@@ -2,7 +2,7 @@
 
 - :class:`JobStore`: one SQLAlchemy table (SQLite by default; any SQLAlchemy URL) plus a results directory
   with one folder per job (``input.png``, ``video.mp4``, ``thumbnail.png``, ``last_frame.npy``, ``meta.json``).
-  The job manager (:mod:`services.job_manager`) is its one writer.
+  The job manager (:mod:`services.jobs.manager`) is its one writer.
 - Order: ``created_at`` is strictly increasing in creation order (the manager never hands out the same instant
   twice, also across a restart), and lists break any tie by id, so a list's order never depends on how fast
   jobs were submitted.

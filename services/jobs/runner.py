@@ -84,7 +84,7 @@ def run_video_job(engine, job_id: str, job_dir: str, params: dict, manager, wher
     NonFiniteOutputError, ValueError, OSError.
 
     It only writes into the existing ``job_dir`` and never creates it: a job deleted meanwhile (the store renames
-    its folder away before removing it, :meth:`services.job_store.JobStore.delete`) makes every later write of
+    its folder away before removing it, :meth:`services.jobs.store.JobStore.delete`) makes every later write of
     a worker that is still being killed fail (FileNotFoundError) instead of leaving files behind."""
     import numpy as np
     import torch

@@ -1,0 +1,179 @@
+"""The grafted VLM's Ray Serve replica: one :class:`grafting.engine.VLMEngine` per replica, streaming the events
+of ``POST /v1/chat/completions`` (:mod:`services.api.chat` shapes them into OpenAI chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from typing import Any
+
+from ..config.profiles import FamilySection
+from .base import EngineDeployment
+from .events import engine_fault, input_error_event, is_input_error
+
+
+class Deployment(EngineDeployment):
+    """Ray Serve deployment of the grafted VLM: one engine per replica. With the ``transformers`` backend,
+    concurrent requests are decoded together by the engine's continuous batcher (up to ``max_batch_size``); with
+    ``vllm`` the replica owns a supervised vLLM server process (started here, restarted when it dies, stopped
+    with the replica) whose continuous batching serves them, and ``ready()`` is False while it is down.
+
+    ``chat_stream(request)`` is an async generator of events: ``{"type": "start", "prompt_tokens"}``, then
+    ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
+    Input errors (PromptError, ImageInputError) come as a single ``{"type": "error", ...}`` event instead.
+    Both backends yield the same events. An engine failure (the vLLM process died or is restarting) raises
+    EngineUnavailableError (HTTP 503 ``engine_unavailable``; mid-stream an SSE error event); a malformed answer
+    from the engine, or any other ValueError that is not an input error (:func:`is_input_error`), raises
+    EngineError (HTTP 500 ``engine_error``), never a 400.
+    Closing the generator (client gone) drops the request from the batch before the next decode step (vllm:
+    closes the HTTP stream, which aborts the request there).
+    """
+
+    def __init__(self, section: dict, model_dir: str):
+        from grafting.config import VLMConfig
+        from grafting.engine import VLMEngine
+        from grafting.token_bytes import TokenBytes
+
+        cfg = FamilySection[VLMConfig].model_validate(section)
+        self._start_engine(cfg.engine, model_dir, lambda client: VLMEngine.from_config(
+            cfg.engine, model_dir, backend=cfg.engine.backend, llm_client=client), cfg.deployment.torch_threads)
+        self.batcher = self.engine.batcher() if self.engine.backend == "transformers" else None
+        self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
+
+    async def stats(self) -> dict:
+        """Backend state: ``backend``; ``generated_tokens``, tokens generated since start over all requests (the
+        work done; None while the engine is down); transformers: ``active`` rows being decoded now,
+        ``max_batch_seen`` since start; vllm: ``active`` requests vLLM holds (running + waiting, from its
+        ``/metrics``; None while the engine is down), ``engine_state``, ``engine_pid`` (vLLM's API server process),
+        ``engine_restarts``."""
+        if self.batcher is not None:
+            return {"backend": "transformers", "active": self.batcher.active,
+                    "max_batch_seen": self.batcher.max_batch_seen, "generated_tokens": self.batcher.generated_tokens}
+        out = await self.server_stats()
+        return {"backend": "vllm", "active": out.pop("engine_requests"), **out}
+
+    def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
+        """OpenAI ``ChatCompletionTokenLogprob``: token text, its raw bytes (:class:`grafting.token_bytes.TokenBytes`:
+        a token holding part of a multi-byte character has those bytes, so the answer's tokens' bytes joined are
+        its UTF-8), logprob, top alternatives (the same fields each)."""
+        def one(tid: int, lp: float) -> dict:
+            return {"token": self.engine.tokenizer.decode([tid]), "logprob": lp,
+                    "bytes": list(self.token_bytes(tid))}
+
+        entry = one(token_id, logprob)
+        entry["top_logprobs"] = [one(t, v) for t, v in (top or [])]
+        return entry
+
+    async def chat_stream(self, request: dict[str, Any]):
+        """Prepare and generate an answer to ``request`` (messages + sampling fields), streaming events."""
+        engine = self.engine
+        try:
+            prompt = await asyncio.to_thread(engine.prepare, request["messages"])
+            params = engine.sampling_params(request.get("max_tokens"), request.get("temperature"),
+                                            request.get("top_p"), request.get("seed"), request.get("stop"),
+                                            request.get("logprobs"), request.get("top_logprobs"))
+            response_format = engine.response_format(request.get("response_format"))
+        except ValueError as exc:  # bad input: answered as a 4xx, not logged as a replica failure
+            if not is_input_error(exc):  # any other ValueError is ours, not the client's (to_api_error: 400)
+                raise engine_fault(exc) from exc
+            yield input_error_event(exc)
+            return
+        async for ev in self._events(prompt, params, response_format):
+            yield ev
+
+    async def _events(self, prompt, params, response_format):
+        """``chat_stream``'s events after validation, the same for both backends: ``start``, ``delta``s, ``end``.
+        A refusal before the first token (vLLM cannot compile a schema; the context check) is an input error
+        event like ours; an unavailable engine raises. Closing this generator (the client went away) closes the
+        generation: the transformers batcher drops the row, vLLM aborts the request."""
+        from grafting.collapse_guard import GuardReport
+
+        report = GuardReport()
+        gen = self._guarded(prompt, params, response_format, report)
+        try:
+            try:
+                d = await gen.__anext__()
+            except ValueError as exc:
+                if not is_input_error(exc):
+                    raise engine_fault(exc) from exc
+                yield input_error_event(exc)
+                return
+            yield {"type": "start", "prompt_tokens": prompt.num_tokens, "image_tokens": prompt.num_image_tokens}
+            while True:
+                if d.text or d.finish_reason is None:
+                    ev = {"type": "delta", "text": d.text}
+                    if d.logprob is not None:
+                        ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
+                    yield ev
+                if d.finish_reason is not None:
+                    yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
+                           **self._end_extras(report)}
+                    return
+                try:
+                    d = await gen.__anext__()
+                except ValueError as exc:
+                    if not is_input_error(exc):
+                        raise engine_fault(exc) from exc
+                    raise
+        finally:
+            await gen.aclose()
+
+    # --- issue 11 hooks: the collapse guard over both backends' Delta streams, image-cache stats in end events --
+    def _batcher_attempt(self, prompt, params):
+        """One generation on the transformers backend's batcher as an async iterator of Delta events (closing
+        it drops the row from the batch at its next step)."""
+        async def gen():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            cancel = threading.Event()
+            self.batcher.submit(prompt, params, cancel,
+                                lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+            try:
+                while True:
+                    d = await queue.get()
+                    if isinstance(d, BaseException):
+                        raise d
+                    yield d
+                    if d.finish_reason is not None:
+                        return
+            finally:
+                cancel.set()
+        return gen()
+
+    def _guarded(self, prompt, params, response_format, report):
+        """The answer's Delta stream through the collapse guard (``vlm.engine.collapse_guard``). Off for
+        ``response_format`` answers: a JSON grammar cannot resume in the middle of an answer."""
+        from grafting.collapse_guard import guarded_stream
+
+        cfg = self.engine.config.collapse_guard
+        if response_format is not None:
+            cfg = cfg.model_copy(update={"enabled": False})
+        if self.engine.backend == "vllm":
+            def attempt(p, sp):
+                return self.engine.agenerate(p, sp, response_format)
+        else:
+            attempt = self._batcher_attempt
+        return guarded_stream(attempt, prompt, params, cfg, self.engine.tokenizer, report)
+
+    def _end_extras(self, report) -> dict:
+        """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's
+        image-cache counters and the answer's collapse-guard report."""
+        out = {"collapse": dataclasses.asdict(report)}
+        cache = self.engine.model.image_cache
+        if cache is not None:
+            out["image_cache"] = {"replica": _replica_name(), "stats": cache.stats().as_dict()}
+        return out
+
+
+def _replica_name() -> str:
+    """This Ray Serve replica's id (the process id outside Ray Serve)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (LocalBackend: tests, notebooks)
+        return f"pid{os.getpid()}"
+
+
