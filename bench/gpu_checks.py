@@ -84,7 +84,7 @@ def run_check(dry_run: bool) -> list[tuple[str, str, str]]:
     """The cpu profile on CUDA through the three engines; rows (what, figure, note)."""
     import torch
 
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     profile = load_profile("cpu")
     model_dir = profile.resolved_model_dir()
@@ -218,7 +218,7 @@ def wan21_step_table(transformer, grid: tuple[int, int, int], dry_run: bool, ste
     from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
 
     from bench.video_speed import step_rows
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
     from video.lora import fast_scheduler
 
     video = load_profile("gpu").video.engine
@@ -252,7 +252,7 @@ def orpheus_tts(device: str, dry_run: bool, streams: tuple[int, ...]) -> list[tu
     from audio.config import TokenLayoutConfig
     from audio.engine import SpeechAudio, TTSEngine
     from audio.snac_stream import load_snac
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     profile = load_profile("cpu")
     model_dir = profile.resolved_model_dir()
@@ -305,7 +305,7 @@ def moonvit_glm(device: str, dry_run: bool, max_tokens: int) -> list[tuple[str, 
     from grafting.model import GraftedVLM
     from grafting.processor import GraftProcessor, ImageLimitsView
     from grafting.projector import GraftProjector, GraftProjectorConfig
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     profile = load_profile("cpu")
     model_dir = profile.resolved_model_dir()

@@ -74,7 +74,7 @@ def main() -> int:
     """Run the burst and the 30 MB check (module doc); print the table and figures. Returns the exit status."""
     import httpx
 
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     prof = load_profile("cpu").model_dump(mode="json")
     prof["vlm"]["deployment"]["max_queued_requests"] = VLM_QUEUE

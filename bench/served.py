@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from services.engine_process import free_port
-from services.readiness import wait_ready
+from services.engines.process import free_port
+from services.api.readiness import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -42,7 +42,7 @@ def main() -> None:
     from skimage import data
 
     from grafting.engine import VLMEngine
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     prof = load_profile(args.profile)
     buf = io.BytesIO()

@@ -212,7 +212,7 @@ def run_family(family: str, layers: int, threads: int) -> dict:
     """Build and run one family in this process; returns its figures (seconds, peak RSS in GiB, detail)."""
     import torch
 
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     torch.set_num_threads(threads)
     profile = load_profile("cpu")

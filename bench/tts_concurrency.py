@@ -85,8 +85,8 @@ def main() -> None:
     from audio.build import prepare
     from audio.engine import TTSEngine
     from audio.vllm_backend import VLLMSpeechLM
-    from services.profiles import load_profile
-    from services.vllm_server import start_vllm_for
+    from services.config.profiles import load_profile
+    from services.engines.vllm_server import start_vllm_for
 
     torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
@@ -100,7 +100,7 @@ def main() -> None:
     try:
         if not client.wait_ready(900):
             raise SystemExit(f"vLLM did not start:\n{client.server.log_tail()}")
-        served = TTSEngine.from_config(vcfg, model_dir, lm_client=client)  # as services/speech.py builds it
+        served = TTSEngine.from_config(vcfg, model_dir, lm_client=client)  # as services/api/speech.py builds it
         engines = {"transformers": ref,
                    "transformers-batched": TTSEngine(ref.cfg.model_copy(update={"snac_batch_frames":
                                                                                cfg.snac_batch_frames}),

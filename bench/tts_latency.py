@@ -58,7 +58,7 @@ def main() -> None:
 
     from audio.build import prepare
     from audio.engine import TTSEngine
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from skimage import data
 
-from services.profiles import load_profile
+from services.config.profiles import load_profile
 from video.build import prepare
 from video.drift import mean_luma
 from video.engine import VideoEngine

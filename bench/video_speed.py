@@ -70,7 +70,7 @@ def random_lora(transformer, path: Path, rank: int = 8, seed: int = 0) -> None:
 
 def per_job(args) -> None:
     """Part A (module doc)."""
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
     from video.build import prepare
     from video.engine import VideoEngine
     from video.request import plan_request

@@ -23,8 +23,8 @@ from skimage import data
 
 from grafting.engine import VLMEngine
 from grafting.train.synth import render, sample_scene
-from services.profiles import load_profile
-from services.vllm_server import start_vllm_for
+from services.config.profiles import load_profile
+from services.engines.vllm_server import start_vllm_for
 
 TEXT = ["What is the capital of France?", "Name a large animal.", "What is 2 plus 2?", "Say hello in Spanish.",
         "Give me a synonym for happy.", "What colour is the sky?", "Name a planet.", "Who wrote Hamlet?",

@@ -33,7 +33,7 @@ def main() -> None:
 
     from grafting.batching import ContinuousBatcher
     from grafting.engine import VLMEngine
-    from services.profiles import load_profile
+    from services.config.profiles import load_profile
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     prof = load_profile(args.profile)

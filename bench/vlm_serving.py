@@ -208,8 +208,8 @@ def http_vs_in_process(svc: Service, profile: dict, rounds: int, max_tokens: int
     import torch
 
     from grafting.engine import VLMEngine
-    from services.profiles import parse_profile
-    from services.vllm_server import start_vllm_for
+    from services.config.profiles import parse_profile
+    from services.engines.vllm_server import start_vllm_for
 
     prof = parse_profile(profile)
     torch.set_num_threads(prof.vlm.deployment.torch_threads or torch.get_num_threads())
@@ -299,7 +299,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.max_tokens, a.json_requests = 1, 16, 8
-    from services.profiles import load_profile, profile_path
+    from services.config.profiles import load_profile, profile_path
 
     load_profile(a.profile)  # validates
     base = yaml.safe_load(profile_path(a.profile).read_text())

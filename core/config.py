@@ -23,7 +23,7 @@ class Strict(BaseModel):
 class ConfigFieldError(ValueError):
     """A config value that every request would then be refused over (a default outside its own limit), raised by
     a family config's cross-field validator. ``field``: the key's dotted path inside that config
-    (``default_max_new_tokens``, ``defaults.frames_per_clip``); ``services.profiles`` prefixes the section's path
+    (``default_max_new_tokens``, ``defaults.frames_per_clip``); ``services.config.profiles`` prefixes the section's path
     (``vlm.engine.``) when it reports it."""
 
     def __init__(self, field: str, message: str):
@@ -94,7 +94,7 @@ Speculation = Annotated[NgramSpeculation | DraftSpeculation, Field(discriminator
 
 
 class VLLMOptions(Strict):
-    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/vllm_server.py``).
+    """How the ``vllm`` backend runs vLLM's OpenAI server (its own venv and process, see ``services/engines/vllm_server.py``).
 
     ``python``: the vLLM venv's interpreter (a relative path is resolved against the project directory,
     ``$CHIMERA_HOME`` or the directory ``chimera serve`` started in; ``$CHIMERA_VLLM_PYTHON`` overrides it;

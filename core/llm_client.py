@@ -2,7 +2,7 @@
 streams, and the errors it raises (the VLM's and the speech LM's ``vllm`` backends alike).
 
 Model code never imports ``services/``: the serving layer starts and owns the engine process (vLLM's
-OpenAI-compatible server, ``services/engine_process.py``) and hands the engine a client of it
+OpenAI-compatible server, ``services/engines/process.py``) and hands the engine a client of it
 (:class:`core.vllm_client.VLLMClient`, over HTTP); :class:`grafting.engine.VLMEngine` and
 :class:`audio.engine.TTSEngine` receive such a client by injection and send it plain vLLM ``/v1/completions``
 request bodies (:class:`grafting.vllm_backend.CompletionRequest`, ``audio/vllm_backend.py``).

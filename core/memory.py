@@ -6,7 +6,7 @@ Parameter counts come from building the real classes on the meta device (nothing
 x dtype bytes``; with tensor parallelism each GPU holds ``ceil(KV heads / tp)`` heads (vLLM replicates KV heads
 when there are fewer than GPUs). Activation figures are estimates of the peak of one forward pass (the formula is
 in each :class:`Need`), not measurements. The family planners (``grafting.memory.vlm_needs``,
-``audio.memory.tts_needs``, ``video.memory.video_needs``) build on these; ``services.memory_plan`` adds them up.
+``audio.memory.tts_needs``, ``video.memory.video_needs``) build on these; ``services.config.memory_plan`` adds them up.
 """
 
 from __future__ import annotations

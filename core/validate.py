@@ -2,7 +2,7 @@
 
 A JSON string may carry a lone UTF-16 surrogate (the escape ``"\\ud800"``); Python decodes it into a ``str``
 that no UTF-8 encoder, and so no tokenizer, accepts. The services side walks requests itself, to raise HTTP
-errors that name the exact key (``services.app.reject_invalid_unicode``, with :func:`has_lone_surrogate`): model
+errors that name the exact key (``services.api.app.reject_invalid_unicode``, with :func:`has_lone_surrogate`): model
 code never imports ``services/``.
 """
 

@@ -1,7 +1,7 @@
 """The typed HTTP client of a supervised vLLM OpenAI server (``/v1/completions`` with vLLM's extensions).
 
 :class:`VLLMClient` implements :class:`core.llm_client.LLMClient` over a :class:`Server` (the service's
-``services.engine_process.ServerProcess``): the VLM and speech deployments start the server and hand the engine this
+``services.engines.process.ServerProcess``): the VLM and speech deployments start the server and hand the engine this
 client. The request body is built by the caller (``grafting.vllm_backend.CompletionRequest``); the stream is
 parsed into :class:`~core.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
 ``CompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
@@ -38,7 +38,7 @@ TOKEN_ID_PREFIX = "token_id:"
 
 
 class Server(Protocol):
-    """The supervised server a :class:`VLLMClient` talks to (``services.engine_process.ServerProcess``):
+    """The supervised server a :class:`VLLMClient` talks to (``services.engines.process.ServerProcess``):
     ``base_url`` (``http://host:port``, read per request: it moves after a failed start), ``state`` (``ready`` |
     ``starting`` | ``restarting`` | ``failed`` | ``stopped``), ``wait_ready(timeout)`` (True once ready, False on
     failed/stopped/``timeout`` seconds) and ``stop()`` (idempotent)."""

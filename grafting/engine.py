@@ -83,7 +83,7 @@ class VLMEngine:
         ``backend``: ``transformers`` (the default: the in-process reference that training, evaluation, notebooks
         and tests use) or ``vllm`` (what the service runs when the profile's ``vlm.engine.backend`` says so: only
         the LLM's embedding table is loaded here; ``llm_client`` is the client of the vLLM server that the caller
-        started and owns, e.g. ``services.vllm_server.start_vllm_for(config, model_dir)``; it need not be ready
+        started and owns, e.g. ``services.engines.vllm_server.start_vllm_for(config, model_dir)``; it need not be ready
         yet - see :meth:`ready`). ValueError for another backend name, for ``vllm`` without ``llm_client`` or for
         ``transformers`` with one."""
         if backend not in ("transformers", "vllm"):

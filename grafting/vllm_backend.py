@@ -129,7 +129,7 @@ class CompletionRequest:
 def structured_outputs(response_format: dict | None) -> dict | None:
     """An OpenAI ``response_format`` (as validated by ``VLMEngine.response_format``) -> vLLM's structured outputs:
     ``{"json": schema}`` or ``{"json_object": True}``. The server runs them without optional whitespace
-    (``services/vllm_server.py``)."""
+    (``services/engines/vllm_server.py``)."""
     if response_format is None:
         return None
     if response_format["type"] == "json_object":
