@@ -67,7 +67,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(status, int) and 400 <= status < 600:
         if status >= 500:
             log.error("model failure: %s", exc)
-        return APIError(status, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
+        return APIError(status, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None),
+                        headers=dict(h) if isinstance(h := getattr(exc, "headers", None), dict) else None)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
     log.exception("internal error", exc_info=exc)

@@ -22,6 +22,22 @@ _READS = ("ping", "readiness", "get", "list", "content_path", "record", "queue_l
           "workers_where", "get_config_hash")  # asked again on a re-acquired manager; writes are not
 
 
+class ManagerUnavailableError(Exception):
+    """The job manager actor could not be reached (it died, or Ray is restarting it): answered as HTTP 503
+    ``model_unavailable`` with ``Retry-After: 5`` (the attributes :func:`services.api.errors.to_api_error` reads).
+    Raised, not returned as an event: it is the service's fault, never the client's."""
+
+    status_code = 503
+    code = "model_unavailable"
+    param = None
+    headers = {"Retry-After": "5"}
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "ManagerUnavailableError":
+        """The error for the RayActorError ``exc`` (its first 300 characters say why)."""
+        return cls(f"the model is not available right now ({str(exc)[:300]})")
+
+
 def _input_errors_as_events(method):
     """Deployment-method decorator: input errors (ValueError, or any exception whose ``status_code`` is 4xx)
     are returned as an ``error`` event dict instead of raised; other exceptions propagate (500, logged)."""
@@ -64,8 +80,8 @@ class Deployment:
         manager is got again (:func:`services.jobs.manager.get_manager` with ``replace=False``, off the event loop:
         whichever manager holds the name now, or a new one when none does) and a read
         (:data:`_READS`) asked once more; a write (create, delete) is not repeated, since it may have been
-        applied. A write's failure, or a second one, raises the RayActorError, which the ingress answers as 503
-        ``model_unavailable`` with ``Retry-After`` (:func:`services.api.errors.to_api_error`).
+        applied. A write's failure, or a second one, is :class:`ManagerUnavailableError` (HTTP 503
+        ``model_unavailable`` with ``Retry-After``).
         A caller that went away (Serve cancels this request, and with it the actor call) ends as
         ``asyncio.CancelledError``, which Serve logs as CANCELLED, not as a failed request with a traceback; the
         manager's own errors are unwrapped from Ray's wrapper."""
@@ -75,12 +91,15 @@ class Deployment:
 
         try:
             return await self._ask(method, *args, **kwargs)
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as exc:
             self.manager = await asyncio.to_thread(get_manager, self.cfg.model_dump(mode="json"), self.model_dir,
                                                    self.section.model_id, replace=False)
             if method not in _READS:
-                raise
-        return await self._ask(method, *args, **kwargs)
+                raise ManagerUnavailableError.of(exc) from None
+        try:
+            return await self._ask(method, *args, **kwargs)
+        except ray.exceptions.RayActorError as exc:
+            raise ManagerUnavailableError.of(exc) from None
 
     async def _ask(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One call of the job manager (see :meth:`_call`); RayActorError passes through as it is."""
