@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from services.api.errors import APIError
+from services.api.errors import to_api_error
+from services.deployments.video import ManagerUnavailableError
 from services.jobs.actor import get_manager
 from services.jobs.manager import ENGINE_LOAD_ATTEMPTS, config_hash
 from tests.test_video_jobs import LONG, _gone, _manager, _no_manager_outlives_its_test, _submit, _wait  # noqa: F401
@@ -143,9 +144,10 @@ def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_
     assert dep.manager._actor_id != first._actor_id
 
     ray.kill(dep.manager, no_restart=True)
-    with pytest.raises(APIError) as e:  # a write on a dead handle: not repeated
+    with pytest.raises(ManagerUnavailableError) as e:  # a write on a dead handle: not repeated
         asyncio.run(dep.create({"prompt": "a blue kite", "num_inference_steps": 2}))
-    assert (e.value.status, e.value.code) == (503, "model_unavailable")
+    err = to_api_error(e.value)  # what the API answers
+    assert (err.status, err.code, err.headers) == (503, "model_unavailable", {"Retry-After": "5"})
     new = asyncio.run(dep.create({"prompt": "a blue kite", "num_inference_steps": 2}))
     assert new["status"] == "queued"
     assert _wait(ray, dep.manager, new["id"], lambda r: r["status"] in _DONE)["status"] == "completed"
