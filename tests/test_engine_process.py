@@ -214,6 +214,33 @@ def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec, tmp_
     assert wait_until(lambda: not alive(server) and not alive(worker)), group_members(pgid)
 
 
+def test_a_process_whose_parent_died_before_it_started_follows_it(tmp_path):
+    """The race of the parent-death watch (engine_site/sitecustomize.py): a Python process of the engine's group
+    spawns a child and dies before the child's interpreter has started; the child, already re-parented, must
+    not take its new parent for its own. The child's ``sh`` waits until the spawner has been reaped, then execs
+    Python, whose start-up must SIGKILL it (before the fix it slept its 600 s, an orphan)."""
+    from services.engines.process import ENGINE_SITE
+
+    pid_file = tmp_path / "child.pid"
+    spawner = textwrap.dedent(f'''
+        import os, subprocess, sys
+        child = subprocess.Popen(["sh", "-c", "while kill -0 $SPAWNER 2>/dev/null; do sleep 0.05; done; "
+                                  "exec {sys.executable} -c 'import time; time.sleep(600)'"],
+                                 env=dict(os.environ, SPAWNER=str(os.getpid())))
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        os._exit(0)
+    ''')
+    env = dict(os.environ, PYTHONPATH=ENGINE_SITE, CHIMERA_ENGINE_DIE_WITH_PARENT="1")
+    env.pop("CHIMERA_ENGINE_PARENT_PID", None)
+    subprocess.run([sys.executable, "-c", spawner], env=env, check=True, timeout=CEILING_S)  # reaped: gone
+    child = int(pid_file.read_text())
+    try:
+        assert wait_until(lambda: not alive(child)), "the orphaned child outlived its dead parent"
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_a_taken_port_costs_one_failed_start_then_another_port_serves(spec):
     import socket
 

@@ -47,7 +47,8 @@ def kill_group_but_me() -> None:
 
 def main(argv: list[str]) -> int:
     """Run ``argv`` guarded (see the module docstring); returns the command's exit status."""
-    env = dict(os.environ, CHIMERA_ENGINE_DIE_WITH_PARENT="1")  # engine_site/sitecustomize.py, for the command
+    # engine_site/sitecustomize.py, for the command: follow the parent down, and know it even if it died first
+    env = dict(os.environ, CHIMERA_ENGINE_DIE_WITH_PARENT="1", CHIMERA_ENGINE_PARENT_PID=str(os.getpid()))
     child = subprocess.Popen(argv, env=env, preexec_fn=_die_with_guard)
 
     def down(signum, frame):

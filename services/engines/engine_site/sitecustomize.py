@@ -4,7 +4,8 @@
 :mod:`services.engines.guard` sets ``CHIMERA_ENGINE_DIE_WITH_PARENT=1`` for the command it runs, so the engine server and every
 Python process it spawns (vLLM's engine core, its workers, multiprocessing's resource tracker: all fresh
 interpreters) start a daemon thread that SIGKILLs its own process once its parent has died (``os.getppid()``
-changed: the process was re-parented). The guard sweeps the group when it can; this covers the case where it
+changed: the process was re-parented; one whose parent died before it started is caught too, see
+:func:`_parent`). The guard sweeps the group when it can; this covers the case where it
 cannot, e.g. when Ray kills a dying replica's child processes (the guard among them) with SIGKILL: each process
 then follows its parent within ``PERIOD_S`` seconds, all the way down. The guard itself never activates it, nor
 does multiprocessing's resource tracker, which exits by design when its parent is gone, after freeing the shared
@@ -20,6 +21,32 @@ import time
 PERIOD_S = 0.5
 
 
+PARENT_ENV = "CHIMERA_ENGINE_PARENT_PID"  # the pid of the process that spawned this one, when it set it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parent() -> int:
+    """The parent to follow. ``os.getppid()`` read now is wrong when the parent died between spawning this process
+    and this interpreter's start (the process is already re-parented): the spawner's pid, exported by its own
+    copy of this module (or by the guard) in ``CHIMERA_ENGINE_PARENT_PID``, tells. If the spawner is dead, this
+    process is already orphaned (SIGKILL now); if it lives but is not the parent (a non-Python process in between),
+    the parent is whoever ``os.getppid()`` says."""
+    ppid = os.getppid()
+    spawner = int(os.environ.get(PARENT_ENV) or ppid)
+    if spawner != ppid and not _alive(spawner):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ppid
+
+
 def _watch(parent: int) -> None:
     while True:
         time.sleep(PERIOD_S)
@@ -29,4 +56,5 @@ def _watch(parent: int) -> None:
 
 if os.environ.get("CHIMERA_ENGINE_DIE_WITH_PARENT") == "1" \
         and "multiprocessing.resource_tracker" not in " ".join(getattr(sys, "orig_argv", [])):
-    threading.Thread(target=_watch, args=(os.getppid(),), name="engine-parent-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(_parent(),), name="engine-parent-watch", daemon=True).start()
+    os.environ[PARENT_ENV] = str(os.getpid())  # for the processes this one spawns
