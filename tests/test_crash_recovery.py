@@ -90,7 +90,9 @@ def _profile(tmp_path) -> dict:
     data["vlm"] = None
     data["video"]["engine"]["jobs"].update(store_url=f"sqlite:///{tmp_path}/jobs.sqlite",
                                            results_dir=str(tmp_path / "results"),
-                                           actor_name=f"crash-test-jobs-{os.getpid()}")
+                                           actor_name=f"crash-test-jobs-{os.getpid()}",
+                                           workers=1)  # one job runs at a time here; a second engine load
+    # would only compete for the 2 cores during each of the two starts
     return data
 
 

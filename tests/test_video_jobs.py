@@ -36,6 +36,9 @@ def _no_manager_outlives_its_test(ray_cluster):
 
 
 def _manager(ray, profile, model_dir, tmp_path, name=None, engine=None, **jobs):
+    """A job manager actor of the cpu profile's video engine on this test's store and results (``jobs``: fields
+    of the jobs section to change; tests that run one job at a time ask ``workers=1``: each worker loads an engine,
+    which only competes for the 2 cores when it is not needed). Returns (handle, engine config)."""
     cfg = profile.video.engine.model_copy(deep=True, update=engine or {})
     cfg.jobs = cfg.jobs.model_copy(update={"store_url": f"sqlite:///{tmp_path}/jobs.sqlite",
                                            "results_dir": str(tmp_path / "results"), "cpus_per_job": 0.25,
@@ -100,7 +103,7 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
     from video.media import decode_video
 
     ray = ray_cluster
-    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, workers=1)
     done = _submit(ray, mgr, cfg, num_inference_steps=2)
     _wait(ray, mgr, done, lambda r: r["status"] == "completed")
     running = _submit(ray, mgr, cfg, **LONG)
@@ -123,7 +126,7 @@ def test_restart_recovery(ray_cluster, profile, model_dir, tmp_path):
                   "phase": "queued", "progress": 0, "clips_done": 0})
     store.engine.dispose()
 
-    mgr2, _ = _manager(ray, profile, model_dir, tmp_path)  # a new service on the same store and results
+    mgr2, _ = _manager(ray, profile, model_dir, tmp_path, workers=1)  # a new service on the same store and results
     page = ray.get(mgr2.list.remote())
     assert [v["id"] for v in page["data"]] == [queued, running, done]
     newer = _submit(ray, mgr2, cfg, num_inference_steps=2)  # a new job sorts newest, whatever the clock says
@@ -147,7 +150,7 @@ def test_idempotency_key_is_bound_to_the_request(ray_cluster, profile, model_dir
     """Same key + same canonical request -> the first job; same key + any other request -> 409
     ``idempotency_key_reused``; nothing extra is queued. ``queue_length`` counts queued + running jobs."""
     ray = ray_cluster
-    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, workers=1)
     req = plan_request(cfg, {"prompt": "a kite", "num_inference_steps": 2}).to_dict()
     first = ray.get(mgr.create.remote(req, idempotency_key="k1"))
     assert first["phase"] == "queued"
@@ -171,7 +174,7 @@ def test_idempotency_key_is_bound_to_the_request(ray_cluster, profile, model_dir
 
 def test_queue_full_is_429(ray_cluster, profile, model_dir, tmp_path):
     ray = ray_cluster
-    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, max_queued=1)
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, max_queued=1, workers=1)
     job = _submit(ray, mgr, cfg, **LONG)
     with pytest.raises(Exception) as e:
         _submit(ray, mgr, cfg)
@@ -196,7 +199,7 @@ def test_non_finite_output_fails_the_job(ray_cluster, profile, model_dir, tmp_pa
     with torch.no_grad():
         tr.proj_out.bias.fill_(float("nan"))
     tr.save_pretrained(broken / "transformer")
-    mgr, cfg = _manager(ray, profile, model_dir, tmp_path)
+    mgr, cfg = _manager(ray, profile, model_dir, tmp_path, workers=1)
     cfg.model = str(broken)
     actor = ray.remote(JobManager).options(name=f"test-jobs-{uuid.uuid4().hex[:8]}", namespace="tests", num_cpus=0)
     ray.kill(mgr)
