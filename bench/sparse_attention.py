@@ -1,4 +1,4 @@
-"""Dense SDPA vs block-sparse attention (video/sparse_attention.py), side by side in one run.
+"""Dense SDPA vs block-sparse attention (video/sparse/), side by side in one run.
 
 For growing latent grids of an 81-frame Wan clip (21 latent frames; 4k, 8k, 16k tokens on the CPU, Wan2.1's
 21 x 30 x 52 = 32,760 with --gpu-sizes), with Wan's 128-dim heads:
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -45,15 +44,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from video import sparse_attention as sa  # noqa: E402
-from video.sparse_attention import (  # noqa: E402
-    _tile_slots,
+from video.sparse import (  # noqa: E402
     block_locality,
     block_sparse_attention,
+    cpu_description,
     make_block_mask,
     select_blocks,
     tile_layout,
 )
+from video.sparse import cpu_kernels  # noqa: E402
+from video.sparse.layout import _tile_slots  # noqa: E402
 
 CPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30)]  # 4,032 / 8,316 / 16,380 tokens
 GPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30), (21, 30, 52)]  # + Wan2.1 480x832x81: 32,760
@@ -118,7 +118,7 @@ def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0)
     import skimage
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
-    from video.sparse_attention import _apply_rotary_emb
+    from video.sparse.processor import _apply_rotary_emb
 
     path = os.path.join(os.path.dirname(skimage.__file__), "data", "no_time_for_that_tiny.gif")
     frames = torch.from_numpy(np.asarray(iio.imread(path))).float() / 255.0  # [24, 25, 14, 3]
@@ -166,12 +166,12 @@ def timed(fns: dict, repeats: int, device) -> dict:
 
 def with_kernel(kernel: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) with the gather backend's kernel forced to `kernel` ("flash" or "bmm")."""
-    chosen = sa.cpu_kernel
-    sa.cpu_kernel = lambda: kernel
+    chosen = cpu_kernels.cpu_kernel
+    cpu_kernels.cpu_kernel = lambda: kernel
     try:
         return fn(*args, **kwargs)
     finally:
-        sa.cpu_kernel = chosen
+        cpu_kernels.cpu_kernel = chosen
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -186,22 +186,11 @@ def slope(xs, ys) -> float:
 
 
 def cpu_header() -> str:
-    """The CPU's model name and its SIMD/AMX flags from /proc/cpuinfo, and ATen's CPU capability."""
-    model, flags = "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()
-        flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
-    except (OSError, AttributeError):
-        pass
-    shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16", "amx_int8")
-             if f in flags]
+    """The CPU's model name and its SIMD/AMX flags from /proc/cpuinfo, ATen's CPU capability and the gather kernel
+    chosen (`video.sparse.cpu_description`), and the ISA emulation variables where set."""
     env = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                                      "DNNL_MAX_CPU_ISA") if k in os.environ)
-    return (f"cpu: {model}; flags: {' '.join(shown) or 'none of avx2/avx512f/amx'}; ATen capability: "
-            f"{torch.backends.cpu.get_cpu_capability()}{' (emulated: ' + env + ')' if env else ''}; "
-            f"gather kernel chosen: {sa.cpu_kernel()}")
+    return cpu_description() + (f" (emulated: {env})" if env else "")
 
 
 def kept_flops(q: torch.Tensor, k: torch.Tensor, grid, keep: float, tile=(2, 8, 8)) -> float:
