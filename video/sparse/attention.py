@@ -63,7 +63,8 @@ def block_sparse_attention(
     if backend == "gather":  # straight from frame-major to the real tokens in tile order, and back
         real = layout.slots[layout.valid].to(query.device)  # frame-major token at each compact position
         out = compact_block_attention(query.float(), key.float(), value.float(), valid.view(nb, bs).sum(-1),
-                                      indices, n_keep, min(layout.first_frame_blocks, n_keep), order=real)
+                                      indices, n_keep, min(layout.first_frame_blocks, n_keep), order=real,
+                                      cache=layout.cache)
         return out.to(query.dtype)
     mask = make_block_mask(indices, n_keep, valid, bs)
     return layout.from_tiles(_flex(compiled)(q, k, layout.to_tiles(value), block_mask=mask))

@@ -11,7 +11,7 @@ import torch
 
 from . import cpu_kernels
 from .cpu_kernels import _EXP_RANGE, _FLASH_CPU, _attend, _score_bound
-from .plan import _pair_blocks, _ranges, _row_view
+from .plan import _pair_blocks, _ranges, _rows_of, _tile_plan
 from .select import _check_valid
 
 
@@ -27,6 +27,7 @@ def compact_block_attention(
     budget_bytes: int = 2 << 20,
     kernel: str | None = None,
     order: torch.Tensor | None = None,
+    cache: dict | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention on the real tokens only, at the rate of the fused dense kernel (the CPU backend).
 
@@ -55,6 +56,8 @@ def compact_block_attention(
         kernel: "flash" or "bmm" for the variable part (`cpu_kernel()` when None); the shared part runs on the
             flash kernel (the "bmm" one where Dv != D).
         order: int64 [N], a permutation: the token (index along dim 2) at each block position; None = identity.
+        cache: a dict kept with `order` (`TileLayout.cache`) where the index lists that depend only on the layout,
+            the shapes and the strides are kept between calls; None: built per call.
 
     Returns:
         [B, H, N, Dv] float32 (memory order [B, N, H, Dv]); softmax scale 1/sqrt(D).
@@ -90,64 +93,53 @@ def compact_block_attention(
         if not n_var:
             return out_s
 
-    # One element per (head, query block): its query rows against the keys of its variable kept blocks. Query
-    # blocks of a head are paired by how many variable keys they share (`_pair_blocks`); a pair's keys are
-    # gathered once, ordered [only A's | both | only B's], so that A's keys are the buffer's head and B's its tail,
-    # each contiguous, and B reads the shared ones from cache.
-    starts = counts.cumsum(0) - counts
+    # One element per (head, query block): its query rows against the keys of its variable kept blocks. q, k, v
+    # are first put in tile order, one contiguous [N, D] run per head (one gather each; the index is cached per
+    # layout): a block's queries are then a slice, its outputs land in a slice, and the key gathers read runs of
+    # neighbouring rows. Query blocks of a head are paired by how many variable keys they share (`_pair_blocks`);
+    # a pair's keys are gathered once, ordered [only A's | both | only B's], so that A's keys are the buffer's
+    # head and B's its tail, each contiguous, and B reads the shared ones from cache.
+    plan = _tile_plan(cache, order, counts, query, key, value)
     var = indices[..., shared_blocks:n_keep].reshape(BH, nb, n_var).long().cpu()
-    counts_c, starts_c = counts.cpu(), starts.cpu()
-    pairs, union_blocks, spans = _pair_blocks(var, counts_c)
-    # spans: per element (head, query block, key offset in the pair buffer, keys); pairs: (first element, keys)
-    head = torch.tensor([s[0] for s in spans], dtype=torch.int64)
-    qblk = torch.tensor([s[1] for s in spans], dtype=torch.int64)
-    rows = counts_c[qblk]
+    pairs, union_blocks, spans = _pair_blocks(var, plan.counts)
     ub = torch.tensor(union_blocks, dtype=torch.int64)
-    ub_head = torch.tensor([h for h, n in zip([p[0] for p in pairs], [p[3] for p in pairs]) for _ in range(n)],
-                           dtype=torch.int64)
-    k_tok = order.cpu()[_ranges(starts_c[ub], counts_c[ub])]
-    k_head = ub_head.repeat_interleave(counts_c[ub])
-    q_tok = order.cpu()[_ranges(starts_c[qblk], rows)]
-    q_head = head.repeat_interleave(rows)
-    # queries pre-scaled once (one pass) instead of per call
-    (qf, q_row), (kf, k_row), (vf, v_row) = (_row_view(x) for x in (query * scale, key, value))
-    k_head, k_tok, q_head, q_tok = (t.to(dev) for t in (k_head, k_tok, q_head, q_tok))
-    q_idx, k_idx = q_row[q_head, q_tok], k_row[k_head, k_tok]
-    v_idx = k_idx if torch.equal(v_row, k_row) else v_row[k_head, k_tok]
-    q_off = (rows.cumsum(0) - rows).tolist()
-    rows = rows.tolist()
+    ub_head = torch.tensor([p[0] for p in pairs], dtype=torch.int64).repeat_interleave(
+        torch.tensor([p[3] for p in pairs], dtype=torch.int64))
+    k_idx = _ranges(ub_head * N + plan.starts[ub], plan.counts[ub]).to(dev)  # rows of the tile-order k and v
+    qt = torch.index_select(_rows_of(query), 0, plan.rows["q"]).mul_(scale)  # [BH * N, D], tile order
+    kt = torch.index_select(_rows_of(key), 0, plan.rows["k"])
+    vt = kt if value is key else torch.index_select(_rows_of(value), 0, plan.rows["v"])
 
-    E = BH * N  # query rows: every one is in exactly one element
-    out_e = None if kernel == "flash" and D == Dv else query.new_empty(E, Dv)
-    outs, lses = [], []
+    out_t = None if kernel == "flash" and D == Dv else query.new_empty(BH * N, Dv)
+    lse_t = query.new_empty(BH * N)
     max_keys = max(p[2] for p in pairs)
     k_buf, v_buf = query.new_empty(max_keys, D), query.new_empty(max_keys, Dv)
-    scratch = None if out_e is None else query.new_empty(max(rows) * max(s[3] for s in spans))
-    q_buf = query.new_empty(max(rows), D)
+    scratch = None if out_t is None else query.new_empty(max(plan.counts_l) * max(s[3] for s in spans))
+    starts, cnt = plan.starts_l, plan.counts_l
+    outs = [] if out_t is None else None
     k0 = 0
-    for _, first, n_union, _, n_elems in pairs:
-        kb = torch.index_select(kf, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
-        vb = torch.index_select(vf, 0, v_idx[k0:k0 + n_union], out=v_buf[:n_union])
+    for h, first, n_union, _, n_elems in pairs:
+        kb = torch.index_select(kt, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
+        vb = torch.index_select(vt, 0, k_idx[k0:k0 + n_union], out=v_buf[:n_union])
         k0 += n_union
         for e in range(first, first + n_elems):
-            m, (_, _, off, n) = rows[e], spans[e]
-            qb = torch.index_select(qf, 0, q_idx[q_off[e]:q_off[e] + m], out=q_buf[:m])
-            dst = None if out_e is None else out_e[q_off[e]:q_off[e] + m][None]
-            o, lse = _attend(qb[None], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, dst, bounded,
-                             scratch)
-            if out_e is None:
-                outs.append(o[0])
-            lses.append(lse[0])
-    if out_e is None:
-        out_e = torch.cat(outs)
-    lse_e = torch.cat(lses)
-    # element order -> [B, N, H] order: one gather by the inverse permutation
-    dest = ((q_head // H) * N + q_tok) * H + q_head % H
-    inv = torch.empty_like(dest)
-    inv[dest] = torch.arange(E, device=dev)
-    out = out_e.index_select(0, inv).view(B, N, H, Dv)
+            _, b, off, n = spans[e]
+            r0 = h * N + starts[b]
+            r1 = r0 + cnt[b]
+            dst = None if out_t is None else out_t[r0:r1][None]
+            o, lse = _attend(qt[None, r0:r1], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, dst,
+                             bounded, scratch)
+            if out_t is None:
+                outs.append((r0, o[0]))
+            lse_t[r0:r1] = lse[0]
+    if out_t is None:
+        out_t = query.new_empty(BH * N, Dv)
+        for r0, o in outs:
+            out_t[r0:r0 + o.shape[0]] = o
+    # tile order -> [B, N, H] order: one gather by the cached inverse permutation
+    out = out_t.index_select(0, plan.inv).view(B, N, H, Dv)
     if shared_blocks:
-        lse = lse_e.index_select(0, inv).view(B, N, H)
+        lse = lse_t.index_select(0, plan.inv).view(B, N, H)
         out.lerp_(out_s.transpose(1, 2), torch.sigmoid(lse_s.transpose(1, 2) - lse)[..., None])
     return out.transpose(1, 2)
 

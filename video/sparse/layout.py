@@ -8,7 +8,7 @@ a hardware block is a cube of the video; we do the same, padding every tile (edg
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -34,6 +34,8 @@ class TileLayout:
         inv: int64 [N], N = prod(grid): the slot of each frame-major token (`x = x_tiled[..., inv, :]`).
         valid: bool [S_pad]: slot holds a real token.
         n_blocks: blocks (= tiles); first_frame_blocks: the leading blocks that tile frame 0.
+        cache: what backends derive from the layout alone and keep between calls (the gather backend's
+            tile-order indices, `plan.TilePlan`); not part of the layout's identity.
     """
 
     grid: Grid
@@ -44,6 +46,7 @@ class TileLayout:
     valid: torch.Tensor
     n_blocks: int
     first_frame_blocks: int
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to_tiles(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, N, D] frame-major -> [B, H, S_pad, D] tiled, zeros at padding slots (same dtype/device)."""

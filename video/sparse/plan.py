@@ -1,8 +1,10 @@
-"""Index construction of the gather backend: row views of strided q/k/v, token ranges of blocks, and the
-pairing of query blocks that share one gathered key/value buffer.
+"""Index construction of the gather backend: row views of strided q/k/v, the tile-order plan of a layout (cached
+with it), token ranges of blocks, and the pairing of query blocks that share one gathered key/value buffer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +23,67 @@ def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     index = (torch.arange(B, device=dev)[:, None, None] * sb + torch.arange(H, device=dev)[None, :, None] * sh
              + torch.arange(N, device=dev)[None, None, :] * sn).view(B * H, N)
     return x.as_strided((int(index.max()) + 1, D), (D, 1)), index
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """The rows [R, D] of `_row_view(x)` without its index (the index depends only on shape and strides)."""
+    B, H, N, D = x.shape
+    strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    if (x.stride(-1) != 1 and D > 1) or any(s % D for s in strides[:3]) or min(strides[:3]) < 0:
+        x = x.contiguous()
+        strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    extent = sum((n - 1) * s // D for n, s in zip(x.shape[:3], strides[:3])) + 1
+    return x.as_strided((extent, D), (D, 1))
+
+
+@dataclass
+class TilePlan:
+    """What the gather backend needs of a layout besides the kept blocks; depends on the layout, the shapes and
+    the strides only, so it is built once and kept in the layout's cache.
+
+    Attributes:
+        counts, starts: int64 [nb] (CPU): tokens per block and their exclusive cumsum; counts_l, starts_l: the same
+            as lists.
+        rows: "q", "k", "v" -> int64 [B * H * N] (device of the inputs): the row of `_rows_of(x)` holding the token
+            at tile position p of head bh, at index bh * N + p (the gather into tile order).
+        inv: int64 [B * N * H] (device): the tile-order row of each [B, N, H] output row (`out = out_t[inv]`).
+    """
+
+    counts: torch.Tensor
+    starts: torch.Tensor
+    counts_l: list
+    starts_l: list
+    rows: dict
+    inv: torch.Tensor
+
+
+def _tile_plan(cache: dict | None, order: torch.Tensor, counts: torch.Tensor, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor) -> TilePlan:
+    """The `TilePlan` of `order` (int64 [N], token at each tile position) and `counts` (int64 [nb]) for inputs
+    of these shapes and strides ([B, H, N, D]), from `cache` (a dict owned by the layout) or built and put there.
+    """
+    B, H, N, _ = query.shape
+    dev = query.device
+    sig = (str(dev), N, B, H, tuple(counts.tolist()) if cache is None else counts.numel())
+    cache_key = ("tile_plan", sig, *((tuple(x.shape), x.stride()) for x in (query, key, value)))
+    if cache is not None and cache_key in cache:
+        return cache[cache_key]
+    counts_c = counts.cpu().to(torch.int64)
+    starts_c = counts_c.cumsum(0) - counts_c
+    order = order.to(device=dev, dtype=torch.int64)
+    rows = {}
+    for name, x in (("q", query), ("k", key), ("v", value)):
+        rows[name] = _row_view(x)[1][:, order].reshape(-1)
+    bh = torch.arange(B * H, device=dev)
+    dest = (((bh // H)[:, None] * N + order[None, :]) * H + (bh % H)[:, None]).reshape(-1)
+    inv = torch.empty_like(dest)
+    inv[dest] = torch.arange(B * H * N, device=dev)
+    plan = TilePlan(counts_c, starts_c, counts_c.tolist(), starts_c.tolist(), rows, inv)
+    if cache is not None:
+        if len(cache) > 16:
+            cache.clear()
+        cache[cache_key] = plan
+    return plan
 
 
 def _ranges(base: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
