@@ -145,9 +145,11 @@ def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0)
     return [x.transpose(1, 2).contiguous().to(device, dtype) for x in (q, k, v)]
 
 
-def timed(fns: dict, repeats: int, device) -> dict:
+def timed(fns: dict, repeats: int, device, clock=time.perf_counter) -> dict:
     """Median seconds per call of each function in `fns`, called in turn (interleaved, so that load from other
-    processes hits all alike), after one warm-up call each (which also compiles)."""
+    processes hits all alike), after one warm-up call each (which also compiles). `clock`: wall time
+    (`time.perf_counter`) or this thread's CPU time (`time.thread_time`: with 1 thread on a CPU, the time the work
+    itself took, without the time other processes held the core)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -156,11 +158,11 @@ def timed(fns: dict, repeats: int, device) -> dict:
     for r in range(repeats + 1):
         for name, fn in fns.items():
             sync()
-            t = time.perf_counter()
+            t = clock()
             fn()
             sync()
             if r:
-                times[name].append(time.perf_counter() - t)
+                times[name].append(clock() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -226,6 +228,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="wall time, or the thread's CPU time (CPU device, 1 thread: for a loaded shared machine)")
     ap.add_argument("--keep", type=float, default=0.125)
     ap.add_argument("--budget", type=int, default=2048, help="kept keys per query for the fixed-budget series")
     ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
@@ -247,6 +251,9 @@ def main() -> None:
         return
 
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        ap.error("--clock cpu counts this thread's CPU time only: it needs --device cpu and --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     grids = GPU_GRIDS if args.gpu_sizes else CPU_GRIDS
@@ -264,7 +271,8 @@ def main() -> None:
     if device.type == "cpu":
         print(cpu_header())
     print(f"torch {torch.__version__}, device {device}, {dtype}, {args.heads} heads x {args.head_dim}, "
-          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}; "
+          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}, "
+          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}; "
           f"ratio = dense time / sparse time; GF/s = dense FLOPs (4 N^2 d per head) / dense time, and kept FLOPs "
           f"(4 rows keys d per head and kept block, real tokens only) / sparse time")
     header = f"{'tokens':>7} {'grid':>12} {'dense ms':>9} {'GF/s':>6} {'kept':>6}"
@@ -284,7 +292,7 @@ def main() -> None:
             else:
                 fns[b] = lambda b=b: block_sparse_attention(q, k, v, grid, args.keep, backend=b)
         fns["budget"] = lambda: block_sparse_attention(q, k, v, grid, budget_keep)
-        t = timed(fns, args.repeats, device)
+        t = timed(fns, args.repeats, device, clock)
         sizes.append(n)
         for name, seconds in t.items():
             times.setdefault(name, []).append(seconds)

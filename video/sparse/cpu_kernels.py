@@ -112,3 +112,25 @@ def _score_bound(query: torch.Tensor, key: torch.Tensor, scale: float) -> float:
     kn = torch.linalg.vector_norm(key, dim=-1).amax(-1)
     return float((qn * kn).max()) * scale
 
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 scratch: torch.Tensor, total: torch.Tensor, bounded: bool) -> None:
+    """The "bmm" kernel of `_attend` for one block, in 2-D and in place: no allocation, few tensor calls.
+
+    q [M, D] (already scaled), k [L, D], v [L, Dv] float32 with a contiguous last dim; writes softmax(q k^T) v
+    into out [M, Dv] and its natural-log log-sum-exp into lse [M] (both may be slices of larger buffers).
+    scratch (>= M * L floats) and total (>= M floats): contiguous float32 work space. `bounded` as in `_attend`.
+    """
+    M, L = q.shape[0], k.shape[0]
+    s = torch.mm(q, k.t(), out=scratch[:M * L].view(M, L))
+    if bounded:
+        s.exp_()
+    else:
+        m = s.amax(-1, keepdim=True)
+        s.sub_(m).exp_()
+    t = torch.sum(s, -1, out=total[:M])
+    torch.mm(s, v, out=out).div_(t[:, None])
+    torch.log(t, out=lse)
+    if not bounded:
+        lse.add_(m[:, 0])
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels
-from .cpu_kernels import _EXP_RANGE, _FLASH_CPU, _attend, _score_bound
+from .cpu_kernels import _EXP_RANGE, _FLASH_CPU, _attend, _attend_rows, _score_bound
 from .plan import _pair_blocks, _ranges, _rows_of, _tile_plan
 from .select import _check_valid
 
@@ -117,6 +117,7 @@ def compact_block_attention(
     scratch = None if out_t is None else query.new_empty(max(plan.counts_l) * max(s[3] for s in spans))
     starts, cnt = plan.starts_l, plan.counts_l
     outs = [] if out_t is None else None
+    total = query.new_empty(max(cnt))
     k0 = 0
     for h, first, n_union, _, n_elems in pairs:
         kb = torch.index_select(kt, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
@@ -126,11 +127,13 @@ def compact_block_attention(
             _, b, off, n = spans[e]
             r0 = h * N + starts[b]
             r1 = r0 + cnt[b]
-            dst = None if out_t is None else out_t[r0:r1][None]
-            o, lse = _attend(qt[None, r0:r1], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, dst,
+            if out_t is not None:  # "bmm": in place, straight into the tile-order output and lse
+                _attend_rows(qt[r0:r1], kb[off:off + n], vb[off:off + n], out_t[r0:r1], lse_t[r0:r1], scratch,
+                             total, bounded)
+                continue
+            o, lse = _attend(qt[None, r0:r1], kb[None, off:off + n], vb[None, off:off + n], 1.0, kernel, None,
                              bounded, scratch)
-            if out_t is None:
-                outs.append((r0, o[0]))
+            outs.append((r0, o[0]))
             lse_t[r0:r1] = lse[0]
     if out_t is None:
         out_t = query.new_empty(BH * N, Dv)
