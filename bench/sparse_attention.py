@@ -19,8 +19,9 @@ at 480p and 720p): blocks, padding, blocks straddling two tiles (ours vs the old
 short and packed them back to back), mean block extent, and the kept fraction at --keep (of blocks, and of real
 keys). `--layout-only` prints just that (index math, a second or two).
 
-Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side
-by side so they hold). `bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
+Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side by
+side so they hold; `--clock cpu` times by the thread's CPU time where other load makes wall time useless).
+`bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
 """
 
 from __future__ import annotations

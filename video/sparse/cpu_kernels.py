@@ -31,11 +31,11 @@ def cpu_kernel() -> str:
       of K for 32 rows only.
 
     Returns "bmm" where ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`, which honours
-    ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both
-    kernels side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread: 472 vs
-    537 ms on AVX512, 690 vs 739 ms with AVX2 emulated on the same CPU). "flash" elsewhere (not measured; the
-    fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the value
-    head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
+    ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both kernels
+    side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread, thread CPU time: 505 vs
+    553 ms on AVX512, 743 vs 789 ms with AVX2 emulated on the same CPU; docs/benchmarks.md). "flash" elsewhere (not
+    measured; the fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the
+    value head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
     kernels are exact to fp32 rounding (tests/test_sparse_attention.py, against a float64 reference).
     """
     capability = torch.backends.cpu.get_cpu_capability()

@@ -33,18 +33,20 @@ def compact_block_attention(
 
     Block b holds the tokens order[starts[b] : starts[b] + counts[b]] (starts = exclusive cumsum of counts; with
     `order` None, rows starts[b] : ... of the inputs): no padding anywhere, so no mask is needed and padding costs
-    nothing. The tokens are read where they lie (strided views, e.g. transposed [B, N, H, D] projections, are not
-    copied). Two parts, merged exactly through their log-sum-exps (out = lerp(out_var, out_shared,
-    sigmoid(lse_shared - lse_var))), the idea of FlashAttention's blockwise softmax (Dao et al. 2022,
-    arXiv:2205.14135) and of Sparse VideoGen's sink/rest split (arXiv:2502.01776):
+    nothing. Strided inputs (e.g. transposed [B, N, H, D] projections) are read where they lie: one gather each of q
+    (scaled in place), k and v into tile order, by an index cached in `cache`. Two parts, merged exactly through
+    their log-sum-exps (out = lerp(out_var, out_shared, sigmoid(lse_shared - lse_var))), the idea of
+    FlashAttention's blockwise softmax (Dao et al. 2022, arXiv:2205.14135) and of Sparse VideoGen's sink/rest split
+    (arXiv:2502.01776):
     - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame); all query
       rows of all heads attend to them in one call of the fused kernel (a dense [N x P] problem: its best tiles).
     - variable: the other kept blocks of each (head, query block). A head's query blocks are paired greedily by
       the keys their kept blocks share (neighbouring blocks keep mostly the same ones); a pair's keys and values
       are gathered once into one buffer ordered [only A's, both, only B's], so that each block's keys are one
-      contiguous slice of it, and each block runs one call [1, rows, D] x [1, keys, D] on `kernel` (the second
-      one reads the shared keys from cache).
-    Outputs land in [B, N, H, Dv] memory order, the processor's next layout; one gather puts them there.
+      contiguous slice of it, and each block runs one call [rows, D] x [keys, D] on `kernel` (the second one
+      reads the shared keys from cache), writing into tile-order output and log-sum-exp buffers.
+    Outputs land in [B, N, H, Dv] memory order, the processor's next layout; one gather (the cached inverse
+    permutation) puts them there.
 
     Args:
         query, key: [B, H, N, D], value: [B, H, N, Dv]; float32, any strides; N = counts.sum().
