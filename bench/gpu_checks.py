@@ -132,7 +132,7 @@ def wan21_video(device: str, dry_run: bool, steps: int, keep: float, table_steps
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
-    from video.sparse_attention import sparse_attention, tile_layout
+    from video.sparse import sparse_attention, tile_layout
 
     h, w, f = WAN21_480P
     grid = (1 + (f - 1) // 4, h // 8 // 2, w // 8 // 2)

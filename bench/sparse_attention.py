@@ -1,4 +1,4 @@
-"""Dense SDPA vs block-sparse attention (video/sparse_attention.py), side by side in one run.
+"""Dense SDPA vs block-sparse attention (video/sparse/), side by side in one run.
 
 For growing latent grids of an 81-frame Wan clip (21 latent frames; 4k, 8k, 16k tokens on the CPU, Wan2.1's
 21 x 30 x 52 = 32,760 with --gpu-sizes), with Wan's 128-dim heads:
@@ -19,8 +19,9 @@ at 480p and 720p): blocks, padding, blocks straddling two tiles (ours vs the old
 short and packed them back to back), mean block extent, and the kept fraction at --keep (of blocks, and of real
 keys). `--layout-only` prints just that (index math, a second or two).
 
-Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side
-by side so they hold). `bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
+Run: `python bench/sparse_attention.py` (CPU, 1 thread by default: the machine is shared; ratios are taken side by
+side so they hold; `--clock cpu` times by the thread's CPU time where other load makes wall time useless).
+`bench/sparse_attention_gpu.sh` runs it on a GPU at 32,760 tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -45,15 +45,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from video import sparse_attention as sa  # noqa: E402
-from video.sparse_attention import (  # noqa: E402
-    _tile_slots,
+from video.sparse import (  # noqa: E402
     block_locality,
     block_sparse_attention,
+    cpu_description,
     make_block_mask,
     select_blocks,
     tile_layout,
 )
+from video.sparse import cpu_kernels  # noqa: E402
+from video.sparse.layout import _tile_slots  # noqa: E402
 
 CPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30)]  # 4,032 / 8,316 / 16,380 tokens
 GPU_GRIDS = [(21, 12, 16), (21, 18, 22), (21, 26, 30), (21, 30, 52)]  # + Wan2.1 480x832x81: 32,760
@@ -118,7 +119,7 @@ def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0)
     import skimage
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
-    from video.sparse_attention import _apply_rotary_emb
+    from video.sparse.processor import _apply_rotary_emb
 
     path = os.path.join(os.path.dirname(skimage.__file__), "data", "no_time_for_that_tiny.gif")
     frames = torch.from_numpy(np.asarray(iio.imread(path))).float() / 255.0  # [24, 25, 14, 3]
@@ -145,9 +146,11 @@ def clip_features(grid, heads: int, head_dim: int, device, dtype, seed: int = 0)
     return [x.transpose(1, 2).contiguous().to(device, dtype) for x in (q, k, v)]
 
 
-def timed(fns: dict, repeats: int, device) -> dict:
+def timed(fns: dict, repeats: int, device, clock=time.perf_counter) -> dict:
     """Median seconds per call of each function in `fns`, called in turn (interleaved, so that load from other
-    processes hits all alike), after one warm-up call each (which also compiles)."""
+    processes hits all alike), after one warm-up call each (which also compiles). `clock`: wall time
+    (`time.perf_counter`) or this thread's CPU time (`time.thread_time`: with 1 thread on a CPU, the time the work
+    itself took, without the time other processes held the core)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -156,22 +159,22 @@ def timed(fns: dict, repeats: int, device) -> dict:
     for r in range(repeats + 1):
         for name, fn in fns.items():
             sync()
-            t = time.perf_counter()
+            t = clock()
             fn()
             sync()
             if r:
-                times[name].append(time.perf_counter() - t)
+                times[name].append(clock() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def with_kernel(kernel: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) with the gather backend's kernel forced to `kernel` ("flash" or "bmm")."""
-    chosen = sa.cpu_kernel
-    sa.cpu_kernel = lambda: kernel
+    chosen = cpu_kernels.cpu_kernel
+    cpu_kernels.cpu_kernel = lambda: kernel
     try:
         return fn(*args, **kwargs)
     finally:
-        sa.cpu_kernel = chosen
+        cpu_kernels.cpu_kernel = chosen
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -186,22 +189,11 @@ def slope(xs, ys) -> float:
 
 
 def cpu_header() -> str:
-    """The CPU's model name and its SIMD/AMX flags from /proc/cpuinfo, and ATen's CPU capability."""
-    model, flags = "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()
-        flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
-    except (OSError, AttributeError):
-        pass
-    shown = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16", "amx_int8")
-             if f in flags]
+    """The CPU's model name and its SIMD/AMX flags from /proc/cpuinfo, ATen's CPU capability and the gather kernel
+    chosen (`video.sparse.cpu_description`), and the ISA emulation variables where set."""
     env = " ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                                      "DNNL_MAX_CPU_ISA") if k in os.environ)
-    return (f"cpu: {model}; flags: {' '.join(shown) or 'none of avx2/avx512f/amx'}; ATen capability: "
-            f"{torch.backends.cpu.get_cpu_capability()}{' (emulated: ' + env + ')' if env else ''}; "
-            f"gather kernel chosen: {sa.cpu_kernel()}")
+    return cpu_description() + (f" (emulated: {env})" if env else "")
 
 
 def kept_flops(q: torch.Tensor, k: torch.Tensor, grid, keep: float, tile=(2, 8, 8)) -> float:
@@ -237,6 +229,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="wall time, or the thread's CPU time (CPU device, 1 thread: for a loaded shared machine)")
     ap.add_argument("--keep", type=float, default=0.125)
     ap.add_argument("--budget", type=int, default=2048, help="kept keys per query for the fixed-budget series")
     ap.add_argument("--gpu-sizes", action="store_true", help="add Wan2.1's 21x30x52 = 32,760 tokens")
@@ -258,6 +252,9 @@ def main() -> None:
         return
 
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        ap.error("--clock cpu counts this thread's CPU time only: it needs --device cpu and --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     grids = GPU_GRIDS if args.gpu_sizes else CPU_GRIDS
@@ -275,7 +272,8 @@ def main() -> None:
     if device.type == "cpu":
         print(cpu_header())
     print(f"torch {torch.__version__}, device {device}, {dtype}, {args.heads} heads x {args.head_dim}, "
-          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}; "
+          f"threads {torch.get_num_threads()}, tile 2x8x8 (128-token blocks), median of {args.repeats}, "
+          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}; "
           f"ratio = dense time / sparse time; GF/s = dense FLOPs (4 N^2 d per head) / dense time, and kept FLOPs "
           f"(4 rows keys d per head and kept block, real tokens only) / sparse time")
     header = f"{'tokens':>7} {'grid':>12} {'dense ms':>9} {'GF/s':>6} {'kept':>6}"
@@ -295,7 +293,7 @@ def main() -> None:
             else:
                 fns[b] = lambda b=b: block_sparse_attention(q, k, v, grid, args.keep, backend=b)
         fns["budget"] = lambda: block_sparse_attention(q, k, v, grid, budget_keep)
-        t = timed(fns, args.repeats, device)
+        t = timed(fns, args.repeats, device, clock)
         sizes.append(n)
         for name, seconds in t.items():
             times.setdefault(name, []).append(seconds)

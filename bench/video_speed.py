@@ -136,7 +136,7 @@ def step_rows(tr, grid, steps: int, fast_steps: int, rounds: int, options: StepC
     seconds of ``rounds`` Euler loops of ``steps`` calls): dense, sparse ``sparsity``, each cache, sparse + each
     cache, and dense at ``fast_steps`` (the distilled step count). Raises ValueError as ``video.cache`` does."""
     from video.config import SparseAttentionConfig
-    from video.sparse_attention import sparse_attention
+    from video.sparse import sparse_attention
 
     p = next(tr.parameters())
     loop = Loop(tr, grid, p.device, p.dtype)

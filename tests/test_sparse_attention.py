@@ -1,4 +1,4 @@
-"""Block-sparse self-attention for Wan (video/sparse_attention.py): exactness, mask invariants, pipeline wiring.
+"""Block-sparse self-attention for Wan (video/sparse/): exactness, mask invariants, pipeline wiring.
 
 Small real-architecture random-weight diffusers models (WanAttention, WanTransformer3DModel, AutoencoderKLWan);
 no mocks. Both backends are checked: the gather backend (the CPU default) and flex_attention, compiled on a few
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
-from video.sparse_attention import (
+from video.sparse import (
     SparseAttentionConfig,
     WanSparseAttention,
     WanSparseAttnProcessor,
@@ -293,14 +293,14 @@ def test_gather_backend_checks_the_shared_prefix():
 
 # ------------------------------------------------------------- gather kernels against a float64 reference
 
-KERNELS = ["flash", "bmm"]  # video.sparse_attention.cpu_kernel() picks one per CPU; both are tested everywhere
+KERNELS = ["flash", "bmm"]  # video.sparse.cpu_kernel() picks one per CPU; both are tested everywhere
 
 
 @pytest.fixture
 def kernel(request, monkeypatch):
-    import video.sparse_attention as sa
+    import video.sparse.cpu_kernels as ck
 
-    monkeypatch.setattr(sa, "cpu_kernel", lambda: request.param)
+    monkeypatch.setattr(ck, "cpu_kernel", lambda: request.param)
     return request.param
 
 
@@ -330,13 +330,27 @@ def test_gather_backend_equals_a_float64_reference_on_the_same_mask(kernel, grid
     n = math.prod(grid)
     q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
     q = q * gain
-    from video.sparse_attention import _EXP_RANGE, _score_bound
+    from video.sparse.cpu_kernels import _EXP_RANGE, _score_bound
 
     assert (_score_bound(q, k, 64**-0.5) > _EXP_RANGE) == (gain > 1)
     out = block_sparse_attention(q, k, v, grid, sparsity, backend="gather")
     ref = _masked_reference(q, k, v, grid, sparsity)
     assert out.dtype == torch.float32
     assert (out.double() - ref).abs().max() <= attention_tolerance(q, k, v) / 2
+
+
+def test_an_unsupported_cpu_kernel_is_refused_at_the_start_with_the_reason(monkeypatch):
+    """A kernel name the gather backend lacks is a ValueError before any work, naming the supported kernels and the
+    CPU (model, flags, ATen capability); it never silently runs another kernel."""
+    import video.sparse.cpu_kernels as ck
+
+    q = torch.randn(1, 1, 256, 16)
+    idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"unsupported CPU sparse-attention kernel 'amx'.*flash, bmm.*ATen capability"):
+        gathered_block_attention(q, q, q, idx, 2, 128, kernel="amx")
+    monkeypatch.setattr(ck, "cpu_kernel", lambda: "avx1")
+    with pytest.raises(ValueError, match="unsupported CPU sparse-attention kernel 'avx1'"):
+        block_sparse_attention(q, q, q, (1, 16, 16), 1.0, tile=(1, 8, 8), backend="gather")
 
 
 @pytest.mark.parametrize("kernel", KERNELS, indirect=True)

@@ -364,7 +364,7 @@ def test_sparse_attention_request(engine, cfg):
 
     # What ran, per call: 128x128 px, 9 frames -> latent grid 3 x 4 x 4 = 48 tokens = 12 blocks of 4; keep 0.5 ->
     # 6 blocks per row; 1 of 4 steps dense; 2 layers; guidance off: one call per step and layer.
-    from video.sparse_attention import sparse_attention
+    from video.sparse import sparse_attention
 
     with sparse_attention(eng.t2v.transformer, sparsity=0.5, num_inference_steps=4,
                           config=cfg.sparse_attention) as state:

@@ -7,7 +7,7 @@ state outlives a clip, so nothing leaks between the clips of a chain or between 
 
 Composition: the hooks wrap the transformer blocks' ``forward`` (MagCache / First Block Cache skip whole blocks
 and add a cached residual; TaylorSeer predicts each block's output); block-sparse attention
-(:mod:`video.sparse_attention`) replaces the attention processors inside the blocks and counts steps with a
+(:mod:`video.sparse`) replaces the attention processors inside the blocks and counts steps with a
 pre-hook on the transformer itself. Neither touches what the other owns, so they stack in either order: a
 computed block runs sparse attention, a skipped block runs nothing.
 

@@ -9,7 +9,7 @@
 - Each clip is denoised to latents (``output_type="latent"``) and decoded here exactly as the pipeline would,
   so the clip's latents can be handed to the next clip (latent chaining, :mod:`video.chaining`; ``cfg.chaining``).
 - Per request: ``quality`` (``fast``: the LoRA-fused copy of the transformer, :mod:`video.lora`), ``cache`` (a
-  diffusers step cache for each clip, :mod:`video.cache`) and ``sparsity`` (:mod:`video.sparse_attention`).
+  diffusers step cache for each clip, :mod:`video.cache`) and ``sparsity`` (:mod:`video.sparse`).
 One instance is used by the service's job workers, tests, notebooks and benchmarks alike.
 """
 
@@ -164,13 +164,13 @@ class VideoEngine:
 
     @contextlib.contextmanager
     def attention(self, sparsity: float, num_inference_steps: int, quality: str = "full"):
-        """Block-sparse self-attention (:mod:`video.sparse_attention`) keeping ``sparsity`` of the key blocks
+        """Block-sparse self-attention (:mod:`video.sparse`) keeping ``sparsity`` of the key blocks
         for one clip (its dense warm-up counts that clip's steps) on the transformers of ``quality``; 1.0: dense,
         nothing installed. Raises ValueError on an out-of-range option."""
         if sparsity >= 1.0:
             yield
             return
-        from .sparse_attention import sparse_attention
+        from .sparse import sparse_attention
 
         with sparse_attention(self.transformers(quality), sparsity=sparsity,
                               num_inference_steps=num_inference_steps, config=self.cfg.sparse_attention):
