@@ -1,169 +1,102 @@
-"""The speech LM's ``vllm`` backend: audio tokens streamed from vLLM's OpenAI server, frame-constrained there.
+"""The speech LM as a source of audio tokens, through the LLM client protocol (either backend alike).
 
-:class:`VLLMSpeechLM` stands in for the in-process LM in :func:`audio.generate.generate_frames`: each attempt at
-a sentence is one streaming ``/v1/completions`` request whose prompt is the token ids of
-:meth:`audio.engine.TTSEngine.prompt` (plus the frames a retry keeps), asking for token ids back
-(``return_token_ids``), with the frame-position constraint enabled for it by ``vllm_xargs``
-(``audio/vllm_ext/chimera_frame_constraint.py``, loaded by the server), end_of_speech as its stop id and
-``max_tokens`` = the sentence's remaining frames x 7. Concurrent syntheses are separate requests that vLLM batches.
-Closing the token iterator (the loop guard fired, the sentence ended, the caller is gone) or setting the cancel
-event closes the HTTP stream, and vLLM aborts the request at once. The server and its client are owned by the
-serving layer and injected (a :class:`core.llm_client.LLMClient`); model code never starts processes.
-Every attempt's stream runs on the one event loop of the instance (a daemon thread started at the first
-attempt, ended by :meth:`VLLMSpeechLM.close`), not on a loop of its own: an event loop per attempt cost its
-creation and teardown on every sentence and retry (``bench/tts_stream_loop.py``), and a client that pools its
-connections needs them to live on one loop.
+:class:`SpeechLM` is what :func:`audio.generate.generate_frames` reads: each attempt at a sentence is one
+:class:`~core.llm_client.CompletionRequest` (:func:`frame_request`) whose prompt is the token ids of
+:meth:`audio.engine.TTSEngine.prompt` (plus the frames a retry keeps), with end_of_speech as its stop id,
+``max_tokens`` = the sentence's remaining frames x 7, the attempt's seed, and the frame-position constraint
+asked for by ``extra_args`` (``audio/vllm_ext/chimera_frame_constraint.py``: vLLM runs it as a logits processor;
+the in-process :class:`audio.local_client.TransformersSpeechClient` reads the same arguments and samples the same
+allowed ids). Concurrent syntheses are separate requests (vLLM batches them). Closing the token iterator (the
+loop guard fired, the sentence ended, the caller is gone) or setting the cancel event closes the stream, which
+aborts the request. The client is injected (the serving layer owns a vLLM server; model code never starts
+processes).
+
+Every attempt's stream runs on the one event loop of the :class:`SpeechLM` (:class:`core.loop_thread.LoopThread`,
+a daemon thread started at the first attempt, ended by :meth:`SpeechLM.close`), pulled one chunk at a time from
+the synthesis' worker thread: a loop per attempt cost its creation and teardown on every sentence and retry
+(``bench/tts_stream_loop.py``), a client that pools its connections needs them to live on one loop, and an
+in-process model decodes a token only when it is read.
 """
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
-from core.constants import SERVED_NAME
-from core.llm_client import EngineUnavailableError, LLMClient
-from core.validate import SEED_LIMIT
+from core.llm_client import CompletionRequest, EngineUnavailableError, LLMClient
+from core.loop_thread import LoopClosed, LoopThread
 
 from .config import SamplingConfig
 from .layout import TokenLayout
 from .vllm_ext.chimera_frame_constraint import ARG
 
-POLL_S = 0.05  # seconds between checks of the cancel event while waiting for vLLM's next chunk
+POLL_S = 0.05  # seconds between checks of the cancel event while waiting for the next chunk
+LOOP_THREAD_NAME = "tts-lm-loop"
 
 
-class VLLMSpeechLM:
-    """Audio-token source over a vLLM server (see the module docstring). ``client``: an LLMClient of the speech
-    LM's server. ``state`` and ``wait_ready`` are the client's. :meth:`close` ends the event-loop thread that
-    the streams run on (the client and its server stay: the serving layer owns them)."""
+def frame_request(input_ids: list[int], prompt_len: int, sampling: SamplingConfig, layout: TokenLayout,
+                  seed: int | None, max_tokens: int, allow_end: bool = True) -> CompletionRequest:
+    """The request of one attempt: ``input_ids`` (prompt + kept audio tokens, the audio a multiple of 7 long,
+    ``prompt_len`` the prompt's part) and at most ``max_tokens`` new audio tokens, sampled with ``sampling`` and
+    ``seed`` (None: unseeded; the clients take it modulo 2**63) under the frame constraint (``extra_args``
+    :data:`~audio.vllm_ext.chimera_frame_constraint.ARG`: ``[audio_start, codebook_size, positions,
+    end_of_speech, offset, allow_end]``, offset = audio tokens already in the prompt). Special tokens are kept
+    (the ids are what matters)."""
+    c = layout.cfg
+    offset = len(input_ids) - prompt_len
+    return CompletionRequest(
+        prompt=list(input_ids), max_tokens=max_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.temperature > 0 else 1.0, repetition_penalty=sampling.repetition_penalty,
+        seed=seed, stop_token_ids=[c.end_of_speech], skip_special_tokens=False,
+        extra_args={ARG: [c.audio_start, c.codebook_size, c.positions, c.end_of_speech, offset, int(allow_end)]})
+
+
+class SpeechLM:
+    """Audio-token source over ``client`` (an :class:`~core.llm_client.LLMClient` of the speech LM; see the
+    module docstring). ``state`` and ``wait_ready`` are the client's. :meth:`close` ends the event-loop thread the
+    streams run on (the client stays: whoever made it closes it)."""
 
     def __init__(self, client: LLMClient):
         self.client = client
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop: asyncio.Event | None = None
-        self._lock = threading.Lock()
-
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
-        """The instance's event loop, its thread started on first use (``tts-vllm-loop``, a daemon)."""
-        with self._lock:
-            if self._loop is None:
-                started = threading.Event()
-
-                async def serve():
-                    self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-                    started.set()
-                    await self._stop.wait()
-
-                # asyncio.run's teardown cancels what is left and runs the async generators' finalizers
-                self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name="tts-vllm-loop",
-                                                daemon=True)
-                self._thread.start()
-                started.wait()
-            return self._loop
-
-    def close(self) -> None:
-        """End the event-loop thread, once no attempt runs (the engine stops): a stream still on the loop is
-        cancelled and closed, and its reader gets EngineUnavailableError. Idempotent; a later attempt starts a
-        new loop."""
-        with self._lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-            if loop is not None:
-                loop.call_soon_threadsafe(self._stop.set)
-                thread.join()
+        self._loop = LoopThread(LOOP_THREAD_NAME)
 
     @property
     def state(self) -> str:
-        """The engine server's state (``ready`` when it can serve)."""
+        """The client's state (``ready`` when it can serve)."""
         return self.client.state
 
-    def body(self, input_ids: list[int], prompt_len: int, sampling: SamplingConfig, layout: TokenLayout,
-             seed: int | None, max_tokens: int, allow_end: bool = True) -> dict:
-        """The streaming completions request of one attempt: ``input_ids`` (prompt + kept audio tokens, the
-        audio a multiple of 7 long) and at most ``max_tokens`` new audio tokens, sampled with ``sampling`` and
-        ``seed`` (taken modulo 2**63) under the frame constraint."""
-        c = layout.cfg
-        offset = len(input_ids) - prompt_len
-        return {"model": SERVED_NAME, "prompt": list(input_ids), "max_tokens": max_tokens, "stream": True,
-                "temperature": sampling.temperature, "top_p": sampling.top_p if sampling.temperature > 0 else 1.0,
-                "repetition_penalty": sampling.repetition_penalty,
-                "seed": None if seed is None else seed % SEED_LIMIT, "stop_token_ids": [c.end_of_speech],
-                "return_token_ids": True, "skip_special_tokens": False,
-                "vllm_xargs": {ARG: [c.audio_start, c.codebook_size, c.positions, c.end_of_speech, offset,
-                                     int(allow_end)]}}
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """The client's :meth:`~core.llm_client.LLMClient.wait_ready`."""
+        return self.client.wait_ready(timeout)
+
+    def close(self) -> None:
+        """End the event-loop thread, once no attempt runs: a stream still on the loop is cancelled and closed,
+        and its reader gets EngineUnavailableError. Idempotent; a later attempt starts a new loop."""
+        self._loop.close()
+
+    def request(self, input_ids: list[int], prompt_len: int, sampling: SamplingConfig, layout: TokenLayout,
+                seed: int | None, max_tokens: int, allow_end: bool = True) -> CompletionRequest:
+        """The request of one attempt (:func:`frame_request`)."""
+        return frame_request(input_ids, prompt_len, sampling, layout, seed, max_tokens, allow_end)
 
     def stream_tokens(self, input_ids: list[int], prompt_len: int, sampling: SamplingConfig, layout: TokenLayout,
-                      seed: int | None, max_tokens: int, cancel: threading.Event | None = None,
-                      allow_end: bool = True) -> Iterator[int]:
-        """Yield the sampled audio token ids of one attempt (:meth:`body`) as vLLM streams them, end_of_speech
-        last when the sentence ended. Closing the iterator, or ``cancel`` being set (checked every
-        :data:`POLL_S` s even while vLLM holds the request in its queue), closes the HTTP stream, which aborts
-        the request in vLLM; on ``cancel`` it raises :class:`audio.generate.Cancelled`. Raises
-        EngineUnavailableError / EngineRequestError (``core.llm_client``). The stream runs on the instance's
-        event loop (see the module docstring): call it from a worker thread, not from that loop."""
+                      seed: int | None, max_tokens: int, cancel=None, allow_end: bool = True) -> Iterator[int]:
+        """Yield the sampled audio token ids of one attempt (:meth:`request`) as the client streams them,
+        end_of_speech last when the sentence ended. Closing the iterator, or ``cancel`` (a ``threading.Event``)
+        being set (checked every :data:`POLL_S` s even while the engine holds the request in its queue), closes
+        the stream, which aborts the request; on ``cancel`` it raises :class:`audio.generate.Cancelled`. Raises
+        EngineUnavailableError / EngineRequestError (``core.llm_client``). Call it from a worker thread, not from
+        the instance's loop."""
         from .generate import Cancelled
 
-        pump = _Pump(self.client.stream(self.body(input_ids, prompt_len, sampling, layout, seed, max_tokens,
-                                                  allow_end)))
-        loop = self._running_loop()
-        asyncio.run_coroutine_threadsafe(pump.run(), loop)
+        req = self.request(input_ids, prompt_len, sampling, layout, seed, max_tokens, allow_end)
         eos = layout.cfg.end_of_speech
+        chunks = self._loop.iterate(lambda: self.client.stream(req), cancel, POLL_S, Cancelled)
         try:
-            while True:
-                try:
-                    chunk = pump.out.get(timeout=POLL_S)
-                except queue.Empty:
-                    chunk = None
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled()
-                if chunk is None:
-                    continue
-                if chunk is _END:
-                    return
-                if isinstance(chunk, BaseException):
-                    raise chunk
+            for chunk in chunks:
                 yield from chunk.token_ids
                 if chunk.finish_reason == "stop" and (not chunk.token_ids or chunk.token_ids[-1] != eos):
                     yield eos
+        except LoopClosed:
+            raise EngineUnavailableError("the speech LM's stream was closed with its engine") from None
         finally:
-            try:
-                asyncio.run_coroutine_threadsafe(pump.stop(), loop).result()
-            except RuntimeError:  # close() ended the loop under this attempt: its teardown closed the stream
-                pass
-
-
-_END = object()
-
-
-class _Pump:
-    """One attempt's stream ``chunks`` read on the event loop: :meth:`run` puts each chunk in ``out`` (a
-    thread-safe queue), then ``_END`` or the exception the stream raised; :meth:`stop` ends it."""
-
-    def __init__(self, chunks: AsyncIterator):
-        self.chunks, self.out, self.task = chunks, queue.SimpleQueue(), None
-
-    async def run(self) -> None:
-        """Read ``chunks`` into ``out`` (see the class docstring)."""
-        self.task = asyncio.current_task()
-        try:
-            async for chunk in self.chunks:
-                self.out.put(chunk)
-            self.out.put(_END)
-        except asyncio.CancelledError:  # by stop(), or by close() under a reader that is still waiting
-            self.out.put(EngineUnavailableError("the speech LM's stream was closed with its engine"))
-            raise
-        except Exception as exc:  # noqa: BLE001 - handed to the reading thread
-            self.out.put(exc)
-
-    async def stop(self) -> None:
-        """Cancel the read if it still runs (which closes the HTTP stream), close ``chunks``, then let the
-        ``aclose()`` tasks that async-generator finalizers scheduled meanwhile run (a stream that returns from
-        inside ``async for`` leaves its inner iterator to the finalizer, which schedules a callback that creates
-        the task: two turns of the loop). Submitted after :meth:`run`, so it starts after it (FIFO)."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
-        await self.chunks.aclose()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+            chunks.close()
