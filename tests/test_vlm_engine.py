@@ -370,3 +370,28 @@ def test_the_vllm_backend_takes_an_injected_client_and_only_it_does(profile, mod
     with pytest.raises(ValueError, match="the vllm backend takes an llm_client"):
         VLMEngine.from_config(profile.vlm.engine, model_dir, llm_client=client)
     assert client.state == "stopped"
+
+
+def test_the_in_process_client_answers_ids_and_their_embeddings_alike(engine):
+    """``TransformersClient`` (the client protocol in this process): a prompt sent as token ids and the same
+    prompt sent as its ``(T, H)`` embedding rows give the same greedy chunks: the same token ids, the same text,
+    the usage chunk last (counting the stop token)."""
+    import dataclasses
+
+    from grafting.llm_stream import completion_request
+
+    p = engine.prepare(QUESTIONS[0])
+    req = completion_request(engine.model, p, engine.sampling_params(max_tokens=12, temperature=0),
+                             engine.eos_token_ids)
+    with torch.inference_mode():
+        embeds = engine.model.embed(p.input_ids)[0]
+    as_embeds = dataclasses.replace(req, prompt=embeds)
+
+    async def collect(r):
+        return [c async for c in engine.client.stream(r)]
+
+    by_ids, by_embeds = asyncio.run(collect(req)), asyncio.run(collect(as_embeds))
+    assert [(c.text, c.token_ids, c.finish_reason, c.completion_tokens) for c in by_ids] == \
+        [(c.text, c.token_ids, c.finish_reason, c.completion_tokens) for c in by_embeds]
+    assert by_ids[-1].completion_tokens == sum(len(c.token_ids) for c in by_ids) >= 1
+    assert by_ids[-2].finish_reason in ("stop", "length")
