@@ -100,7 +100,7 @@ class TTSConfig(Strict):
     ``backend``: who runs the LM's decode: ``transformers`` (our KV-cache loop in the replica, one per synthesis:
     the exact reference) or ``vllm`` (vLLM's OpenAI server in its own venv and process, options in ``vllm``, the same
     :class:`core.config.VLLMOptions` as the VLM's; concurrent syntheses are batched there, the frame constraint
-    runs as a vLLM logits processor, see ``audio/vllm_backend.py``). ``max_batch_size``: vLLM's ``--max-num-seqs``
+    runs as a vLLM logits processor, see ``audio/lm_stream.py``). ``max_batch_size``: vLLM's ``--max-num-seqs``
     (sentences decoded together; more wait in vLLM's queue). Long input is never cut at a token cap: it is split
     into sentences of at most ``max_sentence_chars``, synthesized in order, and ``max_frames`` caps each sentence.
     vLLM's context (``--max-model-len``) is :meth:`max_model_len`.

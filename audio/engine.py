@@ -1,8 +1,11 @@
 """The speech engine: text -> sentences -> Orpheus audio tokens -> SNAC frames -> streamed 24 kHz audio.
 
-One :class:`TTSEngine` serves the service, tests, notebooks and benchmarks. Each sentence is generated with the
-constrained sampler and loop guard (:mod:`audio.generate`) and decoded while generating with a 2-left/2-right
-SNAC window (:mod:`audio.snac_stream`); every frame of every sentence is emitted, so nothing is lost at joins.
+One :class:`TTSEngine` serves the service, tests, notebooks and benchmarks. The speech LM is reached only through
+an :class:`~core.llm_client.LLMClient` (``audio/backend.py`` picks it: in-process ``transformers`` or a ``vllm``
+server the caller owns), read as audio tokens by :class:`audio.lm_stream.SpeechLM`. Each sentence is generated
+with the constrained sampler and loop guard (:mod:`audio.generate`) and decoded while generating with a
+2-left/2-right SNAC window (:mod:`audio.snac_stream`); every frame of every sentence is emitted, so nothing is lost
+at joins.
 Method: Orpheus TTS (canopyai/Orpheus-TTS), SNAC (hubertsiuzdak/snac).
 """
 
@@ -17,20 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from core.config import resolve_path
 from core.constants import SAMPLE_RATE
+from core.llm_client import LLMClient
 from core.memory import DTYPES
-from core.validate import check_seed
 
+from .backend import load_speech_lm
 from .config import TTSConfig
 from .formats import SpeedResampler
 from .generate import Cancelled, SentenceReport, generate_frames
 from .layout import TokenLayout
+from .lm_stream import SpeechLM
 from .snac_stream import BatchedSnacDecoder, StreamingDecoder, load_snac
 from .text import clean_sentence, has_speech, split_sentences
-from .validate import SpeechInputError, check_speakable, check_speed, check_text, check_voice
+from .validate import SpeechInputError, check_speakable, check_speech, check_text
 
 __all__ = ["TTSEngine", "SpeechAudio", "SpeechDone", "Cancelled", "NoAudioError"]
 
@@ -65,9 +69,10 @@ class SpeechDone:
 class TTSEngine:
     """Orpheus-layout LM + SNAC 24 kHz decoder.
 
-    ``lm``: a causal LM (``LlamaForCausalLM``, or any module with the same forward/KV-cache signature), or an
-    :class:`audio.vllm_backend.VLLMSpeechLM` (the ``vllm`` backend);
-    ``tokenizer``: its text tokenizer; ``snac``: a ``snac.SNAC`` model. Use :meth:`from_config` to load.
+    ``client``: the speech LM's :class:`~core.llm_client.LLMClient` (in-process:
+    :class:`audio.local_client.TransformersSpeechClient`; or a vLLM server's), read through ``lm``, an
+    :class:`audio.lm_stream.SpeechLM` of it; ``tokenizer``: the LM's text tokenizer; ``snac``: a ``snac.SNAC``
+    model. Use :meth:`from_config` to load.
     ``snac_decoder``: the one :class:`audio.snac_stream.BatchedSnacDecoder` of this engine's concurrent
     syntheses (their windows ready together are decoded in one batched call; ``cfg.snac_batch_frames`` frames at
     most), or None when ``cfg.snac_batch_frames`` is 0 (each synthesis decodes in its own thread).
@@ -75,8 +80,9 @@ class TTSEngine:
     together (a measure of work done: a cancelled synthesis stops adding to it).
     """
 
-    def __init__(self, cfg: TTSConfig, lm, tokenizer, snac):
-        self.cfg, self.lm, self.tokenizer, self.snac = cfg, lm, tokenizer, snac
+    def __init__(self, cfg: TTSConfig, client: LLMClient, tokenizer, snac):
+        self.cfg, self.client, self.tokenizer, self.snac = cfg, client, tokenizer, snac
+        self.lm = SpeechLM(client)
         self.layout = TokenLayout(cfg.layout)
         self.snac_decoder = BatchedSnacDecoder(snac, cfg.snac_batch_frames) if cfg.snac_batch_frames else None
         c = cfg.layout  # ids no client text may produce (see check_plain_text)
@@ -87,42 +93,41 @@ class TTSEngine:
         self._frames_lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg: TTSConfig, model_dir: str | Path, lm_client=None) -> "TTSEngine":
-        """Load LM and tokenizer with ``from_pretrained`` and SNAC with ``SNAC.from_pretrained``; relative
-        paths resolve against ``model_dir``. With ``cfg.backend == "vllm"`` the LM decodes in the vLLM server
-        that ``lm_client`` (a :class:`core.llm_client.LLMClient`, started by the serving layer) talks to and
-        is not loaded here (:class:`audio.vllm_backend.VLLMSpeechLM`). Raises OSError when a checkpoint is
-        missing (run ``chimera prepare``), ValueError when the vocabulary does not hold the layout or the vllm
-        backend has no client."""
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    def from_config(cls, cfg: TTSConfig, model_dir: str | Path, lm_client: LLMClient | None = None) -> "TTSEngine":
+        """Load the LM's client (:func:`audio.backend.load_speech_lm`: the LM itself with ``cfg.backend ==
+        "transformers"``; with ``vllm`` the client of the server that the serving layer started, ``lm_client``),
+        the tokenizer with ``from_pretrained`` and SNAC with ``SNAC.from_pretrained``; relative paths resolve
+        against ``model_dir``. Raises OSError when a checkpoint is missing (run ``chimera prepare``), ValueError
+        when the vocabulary does not hold the layout or the vllm backend has no client."""
+        from transformers import AutoTokenizer
 
         lm_path = resolve_path(model_dir, cfg.lm)
-        dtype = DTYPES[cfg.dtype]
-        if cfg.backend == "vllm":
-            if lm_client is None:
-                raise ValueError("tts.engine.backend vllm needs the client of a vLLM server (lm_client)")
-            from .vllm_backend import VLLMSpeechLM
-
-            lm, vocab = VLLMSpeechLM(lm_client), AutoConfig.from_pretrained(lm_path).vocab_size
-        else:
-            lm = AutoModelForCausalLM.from_pretrained(lm_path, dtype=dtype).to(cfg.device).eval()
-            vocab = lm.config.vocab_size
+        layout = TokenLayout(cfg.layout)
+        client, vocab = load_speech_lm(cfg.backend, lm_path, DTYPES[cfg.dtype], cfg.device, layout, lm_client)
         tok = AutoTokenizer.from_pretrained(resolve_path(model_dir, cfg.tokenizer) if cfg.tokenizer else lm_path)
-        if vocab < TokenLayout(cfg.layout).vocab_size_needed:
+        if vocab < layout.vocab_size_needed:
             raise ValueError(f"LM vocabulary ({vocab}) does not hold the token layout")
         snac = load_snac(resolve_path(model_dir, cfg.snac), device=cfg.device, noise=cfg.snac_noise)
-        return cls(cfg, lm, tok, snac)
+        return cls(cfg, client, tok, snac)
 
     def close(self) -> None:
-        """Release what the LM holds besides its weights (the ``vllm`` backend's event-loop thread:
-        :meth:`audio.vllm_backend.VLLMSpeechLM.close`); nothing for the in-process LM. Idempotent."""
-        close = getattr(self.lm, "close", None)
-        if close is not None and not isinstance(self.lm, torch.nn.Module):
-            close()
+        """End the token streams' event-loop thread (:meth:`audio.lm_stream.SpeechLM.close`) and close the
+        client (a vLLM server stops; nothing for the in-process LM). Idempotent."""
+        self.lm.close()
+        self.client.close()
 
     def ready(self) -> bool:
         """True when the LM can serve now (always for the in-process LM; the vLLM server's state otherwise)."""
-        return getattr(self.lm, "state", "ready") == "ready"
+        return self.client.state == "ready"
+
+    async def stats(self) -> dict:
+        """``backend``, ``frames`` (:attr:`frames_generated`), ``engine_requests`` (LM requests held now: the
+        client's ``active``; None while unknown), ``generated_tokens`` and whatever else the client's
+        :meth:`~core.llm_client.LLMClient.stats` tells (vLLM: ``engine_state``, ``engine_pid``,
+        ``engine_restarts``)."""
+        c = dict(await self.client.stats())
+        return {"backend": c.pop("backend"), "frames": self.frames_generated, "engine_requests": c.pop("active"),
+                **c}
 
     # --- request pieces -------------------------------------------------------------------------------------
     def prompt(self, voice: str, text: str) -> list[int]:
@@ -164,15 +169,16 @@ class TTSEngine:
     def speak(self, sentences: list[str], voice: str | None = None, speed: float = 1.0, seed: int | None = None,
               first_index: int = 0, cancel: threading.Event | None = None) -> Iterator[SpeechAudio | SpeechDone]:
         """Synthesize raw ``sentences`` in order, yielding :class:`SpeechAudio` as it is decoded and a final
-        :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (so the
-        same text split into any calls gives the same audio). ``cancel`` stops within one token: raises
-        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (``|seed| < 2**63``) or text
+        :class:`SpeechDone`. Sentence ``first_index + i`` samples with seed ``seed + first_index + i`` (its
+        retries ``+ 1`` each, all modulo 2**63: :func:`audio.generate.generate_frames`), so the same text split
+        into any calls gives the same audio, on either backend. ``cancel`` stops within one token: raises
+        :class:`Cancelled`. Raises SpeechInputError for a bad voice, speed or seed (:func:`audio.validate.check_speech`,
+        ``|seed| < 2**63``) or text
         that cannot be sent as plain text (:meth:`check_plain_text`), and
         :class:`NoAudioError` (while iterating, before :class:`SpeechDone`) when sentences with something to say
         gave no sample at all."""
-        voice = check_voice(self.cfg, voice)
-        speed = check_speed(self.cfg, speed)
-        seed = self.cfg.seed if seed is None else check_seed(seed, SpeechInputError)
+        voice, speed, seed = check_speech(self.cfg, voice, speed, seed)
+        seed = self.cfg.seed if seed is None else seed
         if seed is None:
             seed = random.randrange(2**31)
         for raw in sentences:  # before any audio: an answer (400), not a broken stream
@@ -193,10 +199,9 @@ class TTSEngine:
                 continue
             usage["sentences"] += 1
             report = SentenceReport()
-            gen = torch.Generator().manual_seed(seed + index)
             decoder = StreamingDecoder(self.snac_decoder or self.snac, chunk_frames=self.cfg.chunk_frames)
             frames = generate_frames(self.lm, self.layout, self.prompt(voice, text), self.cfg.sampling,
-                                     self.cfg.loop_guard, self.max_frames_for(text), gen, cancel, report)
+                                     self.cfg.loop_guard, self.max_frames_for(text), seed + index, cancel, report)
             for frame in frames:
                 with self._frames_lock:
                     self.frames_generated += 1

@@ -9,10 +9,11 @@
 - :func:`find_loop` is the loop guard: "same token 4+ times in a row" (the reference check) can never fire on
   audio, since each frame position has its own id range, so it looks for repeated frames and short periodic
   frame patterns instead.
-- :func:`generate_frames` runs one sentence (tokens from the in-process LM, or streamed from vLLM by
-  :class:`audio.vllm_backend.VLLMSpeechLM`, where the constraint runs as a vLLM logits processor): frames are held back ``window_frames`` frames (what a retry may
-  discard); when the guard fires the sentence is rolled back to where the loop began and resumed with a higher
-  repetition penalty, at most ``max_retries`` times, then cut short there.
+- :func:`generate_frames` runs one sentence, its tokens read from :class:`audio.lm_stream.SpeechLM` whichever
+  backend serves it (the in-process client decodes with :func:`stream_tokens`; vLLM runs the constraint as a
+  logits processor): frames are held back ``window_frames`` frames (what a retry may discard); when the guard
+  fires the sentence is rolled back to where the loop began and resumed with a higher repetition penalty and the
+  next seed, at most ``max_retries`` times, then cut short there.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+
+from core.validate import SEED_LIMIT
 
 from .config import LoopGuardConfig, SamplingConfig
 from .layout import FrameParser, TokenLayout
@@ -162,16 +165,16 @@ class SentenceReport:
     loops: list[int] = field(default_factory=list)  # frame index where each detected loop began
 
 
-def generate_frames(model, layout: TokenLayout, prompt: list[int], sampling: SamplingConfig,
-                    guard: LoopGuardConfig, max_frames: int, generator: torch.Generator | None = None,
+def generate_frames(lm, layout: TokenLayout, prompt: list[int], sampling: SamplingConfig,
+                    guard: LoopGuardConfig, max_frames: int, seed: int | None = None,
                     cancel: threading.Event | None = None,
                     report: SentenceReport | None = None) -> Iterator[list[int]]:
     """Yield the frames (lists of 7 SNAC codes) of one sentence, each at most once and never retracted.
 
-    ``model``: the LM (a ``torch.nn.Module``, decoded here by :func:`stream_tokens` with ``generator``) or a
-    remote token source with ``stream_tokens(ids, prompt_len, sampling, layout, seed, max_tokens, cancel)``
-    (:class:`audio.vllm_backend.VLLMSpeechLM`: each attempt is one engine request, seeded with
-    ``generator.initial_seed() + retries``, closed when the attempt ends, so a retry aborts and resubmits it).
+    ``lm``: an :class:`audio.lm_stream.SpeechLM` (or anything with its ``stream_tokens(ids, prompt_len,
+    sampling, layout, seed, max_tokens, cancel)``). Each attempt is one request, seeded ``(seed + retries) %
+    2**63`` (None: unseeded), closed when the attempt ends, so a retry aborts and resubmits it: the same on both
+    backends.
 
     Frames are held back while they are among the newest ``guard.window_frames`` (a loop detected later may
     start there); all are released at the end. Raises :class:`Cancelled` when ``cancel`` is set (checked
@@ -185,12 +188,9 @@ def generate_frames(model, layout: TokenLayout, prompt: list[int], sampling: Sam
         s = sampling.model_copy(update={"repetition_penalty": penalty})
         ids = list(prompt) + [t for f in frames for t in layout.frame_ids(list(f))]
         parser = FrameParser(layout)
-        if isinstance(model, torch.nn.Module):
-            tokens = stream_tokens(model, ids, len(prompt), s, layout, generator)
-        else:  # a remote engine (audio.vllm_backend.VLLMSpeechLM): one request per attempt, seeded per attempt
-            seed = None if generator is None else generator.initial_seed() + report.retries
-            tokens = model.stream_tokens(ids, len(prompt), s, layout, seed,
-                                         (max_frames - len(frames)) * layout.positions, cancel)
+        attempt_seed = None if seed is None else (seed + report.retries) % SEED_LIMIT
+        tokens = lm.stream_tokens(ids, len(prompt), s, layout, attempt_seed,
+                                  (max_frames - len(frames)) * layout.positions, cancel)
         loop_at = None
         try:
             for tok in tokens:

@@ -5,7 +5,7 @@ Every failure raises :class:`SpeechInputError` (a ValueError -> HTTP 400) naming
 
 from __future__ import annotations
 
-from core.validate import InputError, find_invalid_unicode
+from core.validate import InputError, check_seed, find_invalid_unicode
 
 from .config import TTSConfig
 from .text import clean_sentence, has_speech
@@ -95,6 +95,14 @@ def check_speed(cfg: TTSConfig, speed) -> float:
         raise SpeechInputError(f"'speed' must be a number between {cfg.min_speed} and {cfg.max_speed}, got {speed!r}",
                                "speed", "invalid_speed")
     return float(speed)
+
+
+def check_speech(cfg: TTSConfig, voice, speed, seed) -> tuple[str, float, int | None]:
+    """The one check of a synthesis' ``voice`` (:func:`check_voice`), ``speed`` (:func:`check_speed`) and ``seed``
+    (``core.validate.check_seed``: an integer with ``|seed| < 2**63``, or None); returns them normalised (voice
+    lower-cased, None -> the default voice, speed None -> 1.0). Used by the speech router, the websocket session
+    and :meth:`audio.engine.TTSEngine.speak`, so each answers alike."""
+    return check_voice(cfg, voice), check_speed(cfg, speed), check_seed(seed, SpeechInputError)
 
 
 def check_format(response_format, stream_format=None) -> tuple[str, str]:

@@ -270,7 +270,11 @@ def orpheus_tts(device: str, dry_run: bool, streams: tuple[int, ...]) -> list[tu
                                                 "build": None, "max_frames": 96, "frames_per_char": 2.0,
                                                 "backend": "transformers"})  # the in-process reference
     tok = AutoTokenizer.from_pretrained(model_dir / profile.tts.engine.lm)
-    engine = TTSEngine(cfg, lm, tok, load_snac(model_dir / profile.tts.engine.snac, device=device))
+    from audio.layout import TokenLayout
+    from audio.local_client import TransformersSpeechClient
+
+    client = TransformersSpeechClient(lm, TokenLayout(cfg.layout))
+    engine = TTSEngine(cfg, client, tok, load_snac(model_dir / profile.tts.engine.snac, device=device))
     text = "The quick brown fox jumps over the lazy dog near the river bank."
 
     def stream(out: list, idx: int):
@@ -333,7 +337,10 @@ def moonvit_glm(device: str, dry_run: bool, max_tokens: int) -> list[tuple[str, 
         tokenizer, image_processor, (cfg.image_tokens.start, cfg.image_tokens.image, cfg.image_tokens.end),
         ImageLimitsView(lim.max_image_bytes, lim.max_image_pixels, lim.max_images, tuple(lim.allowed_image_hosts)),
         max_prompt_tokens=cfg.max_prompt_tokens)
-    engine = VLMEngine(GraftedVLM(tower, projector, llm, processor.image_token_ids), processor, cfg)
+    from grafting.local_client import TransformersClient
+
+    engine = VLMEngine(GraftedVLM(tower, projector, llm, processor.image_token_ids), processor, cfg,
+                       TransformersClient(llm, tokenizer, cfg.max_batch_size))
     engine.complete(_image_messages(448), max_tokens=2, temperature=0.0)  # warm-up
     out = engine.complete(_image_messages(448), max_tokens=max_tokens, temperature=0.0)
     engine.close()

@@ -84,7 +84,6 @@ def main() -> None:
 
     from audio.build import prepare
     from audio.engine import TTSEngine
-    from audio.vllm_backend import VLLMSpeechLM
     from services.config.profiles import load_profile
     from services.engines.vllm_server import start_vllm_for
 
@@ -104,8 +103,8 @@ def main() -> None:
         engines = {"transformers": ref,
                    "transformers-batched": TTSEngine(ref.cfg.model_copy(update={"snac_batch_frames":
                                                                                cfg.snac_batch_frames}),
-                                                     ref.lm, ref.tokenizer, ref.snac),
-                   "vllm-unbatched": TTSEngine(vcfg.model_copy(update=unbatched), VLLMSpeechLM(client),
+                                                     ref.client, ref.tokenizer, ref.snac),
+                   "vllm-unbatched": TTSEngine(vcfg.model_copy(update=unbatched), client,
                                                ref.tokenizer, ref.snac),
                    "vllm": served}
         engines = {k: engines[k] for k in names}

@@ -1,5 +1,5 @@
 """Speech on vLLM: an event loop per sentence attempt (before issue 24) vs the one pooled loop of
-:class:`audio.vllm_backend.VLLMSpeechLM`, side by side in one run.
+:class:`audio.lm_stream.SpeechLM`, side by side in one run.
 
 No vLLM, two stand-ins for it, both scripted: ``memory``, a client whose stream yields ``max_tokens`` audio ids, one
 frame of 7 per chunk, from memory (:class:`MemoryClient`: the cost of driving a stream and nothing else), and
@@ -7,7 +7,7 @@ frame of 7 per chunk, from memory (:class:`MemoryClient`: the cost of driving a 
 ``return_token_ids``, answering the real engine client (``core.vllm_client.VLLMClient``, which today builds
 an httpx client per request: that dominates this arm). What differs between the two arms is only how the
 attempt's stream is driven. ``old``: the pre-issue-24 ``stream_tokens`` (a new event loop per attempt, its async generators shut down
-and the loop closed at the end; kept here verbatim as the baseline); ``new``: ``VLLMSpeechLM.stream_tokens``.
+and the loop closed at the end; kept here verbatim as the baseline); ``new``: ``SpeechLM.stream_tokens``.
 Rounds alternate the arms; prints the median milliseconds per attempt of each, the ratio old/new, and the
 threads and sockets left after ``close()``.
 
@@ -80,7 +80,7 @@ class StandInServer:
 
 
 class MemoryClient:
-    """An LLMClient stand-in whose ``stream(body)`` yields ``body["max_tokens"] // 7`` chunks of one frame of
+    """An LLMClient stand-in whose ``stream(request)`` yields ``request.max_tokens // 7`` chunks of one frame of
     audio ids each (the stand-in server's chunks), from memory; ``state`` ``ready``."""
 
     state = "ready"
@@ -88,22 +88,22 @@ class MemoryClient:
     def __init__(self, layout):
         self.layout = layout
 
-    async def stream(self, body):
-        """The chunks of ``body`` (see the class docstring), the last with ``finish_reason`` ``length``."""
+    async def stream(self, request):
+        """The chunks of ``request`` (see the class docstring), the last with ``finish_reason`` ``length``."""
         lay = self.layout
-        n = int(body["max_tokens"]) // lay.positions
+        n = int(request.max_tokens) // lay.positions
         for f in range(n):
             yield SimpleNamespace(token_ids=[lay.audio_id(p, f % lay.cfg.codebook_size) for p in range(lay.positions)],
                                   finish_reason="length" if f == n - 1 else None)
 
 
 def old_stream_tokens(lm, input_ids, prompt_len, sampling, layout, seed, max_tokens, cancel=None, allow_end=True):
-    """The pre-issue-24 ``VLLMSpeechLM.stream_tokens``: its own event loop per attempt (the baseline)."""
+    """The pre-issue-24 ``stream_tokens``: its own event loop per attempt (the baseline)."""
     from audio.generate import Cancelled
-    from audio.vllm_backend import POLL_S
+    from audio.lm_stream import POLL_S
 
     loop = asyncio.new_event_loop()
-    chunks = lm.client.stream(lm.body(input_ids, prompt_len, sampling, layout, seed, max_tokens, allow_end))
+    chunks = lm.client.stream(lm.request(input_ids, prompt_len, sampling, layout, seed, max_tokens, allow_end))
     eos = layout.cfg.end_of_speech
     try:
         while True:
@@ -143,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from audio.config import SamplingConfig
-    from audio.vllm_backend import VLLMSpeechLM
+    from audio.lm_stream import SpeechLM
     from core.vllm_client import VLLMClient
 
     sampling = SamplingConfig()
@@ -153,7 +153,7 @@ def main() -> None:
         for kind in args.client:
             client = (MemoryClient(server.layout) if kind == "memory" else
                       VLLMClient(SimpleNamespace(base_url=server.base_url, state=server.state)))
-            lm = VLLMSpeechLM(client)
+            lm = SpeechLM(client)
             arms = {"old": lambda n: old_stream_tokens(lm, prompt, len(prompt), sampling, server.layout, 0, n),
                     "new": lambda n: lm.stream_tokens(prompt, len(prompt), sampling, server.layout, 0, n)}
             threads0 = threading.active_count()

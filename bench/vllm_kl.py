@@ -70,7 +70,12 @@ def kl_on_partition(logp: torch.Tensor, top: list[tuple[int, float]]) -> tuple[f
 async def vllm_answer(engine: VLMEngine, msgs):
     prompt = engine.prepare(msgs)
     params = engine.sampling_params(max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=TOP)
-    return prompt, [d async for d in engine.agenerate(prompt, params) if d.token_id is not None]
+    return prompt, [d async for d in engine.stream(prompt, params, guard=False) if d.token_id is not None]
+
+
+async def reference_ids(engine: VLMEngine, prompt) -> list[int]:
+    params = engine.sampling_params(max_tokens=MAX_TOKENS, temperature=0)
+    return [d.token_id async for d in engine.stream(prompt, params, guard=False) if d.token_id is not None]
 
 
 @torch.inference_mode()
@@ -86,8 +91,7 @@ def main() -> None:
         for msgs in prompts():
             prompt, deltas = asyncio.run(vllm_answer(vl, msgs))
             ids = [d.token_id for d in deltas]
-            greedy = [d.token_id for d in ref.generate(prompt, ref.sampling_params(max_tokens=MAX_TOKENS, temperature=0))
-                      if d.token_id is not None]
+            greedy = asyncio.run(reference_ids(ref, prompt))
             same += ids == greedy
             full = torch.cat([prompt.input_ids, torch.tensor([ids])], dim=1)
             logits = ref.model(full, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw).logits[0]

@@ -32,6 +32,7 @@ def main() -> None:
     from skimage import data
 
     from grafting.batching import ContinuousBatcher
+    from grafting.llm_stream import completion_request
     from grafting.engine import VLMEngine
     from services.config.profiles import load_profile
 
@@ -64,16 +65,16 @@ def main() -> None:
                 done[i].set()
                 return
             texts[i].append(d.text)
-            if d.finish_reason:
+            if d.completion_tokens is not None:  # the usage chunk: the last one
                 done[i].set()
         return emit
 
-    prompts = [engine.prepare(c) for c in convs]
+    requests = [completion_request(engine.model, engine.prepare(c), params, engine.eos_token_ids) for c in convs]
     # closed on leaving the block: a batcher thread still alive at interpreter exit aborts the process
-    with ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_token_ids, args.requests) as batcher:
+    with ContinuousBatcher(engine.model.llm, engine.tokenizer, args.requests) as batcher:
         t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            batcher.submit(p, params, None, emitter(i))
+        for i, r in enumerate(requests):
+            batcher.submit(r, None, emitter(i))
         for d in done:
             d.wait()
         t_batch = time.perf_counter() - t0

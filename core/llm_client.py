@@ -1,17 +1,20 @@
-"""What an engine needs from a language-model engine process: the :class:`LLMClient` protocol, the chunks it
-streams, and the errors it raises (the VLM's and the speech LM's ``vllm`` backends alike).
+"""The one seam between an engine and its language model: the :class:`LLMClient` protocol, the typed
+:class:`CompletionRequest` it takes, the :class:`CompletionChunk` s it streams, and the errors it raises.
 
-Model code never imports ``services/``: the serving layer starts and owns the engine process (vLLM's
-OpenAI-compatible server, ``services/engines/process.py``) and hands the engine a client of it
-(:class:`core.vllm_client.VLLMClient`, over HTTP); :class:`grafting.engine.VLMEngine` and
-:class:`audio.engine.TTSEngine` receive such a client by injection and send it plain vLLM ``/v1/completions``
-request bodies (:class:`grafting.vllm_backend.CompletionRequest`, ``audio/vllm_backend.py``).
+Two implementations, one protocol, so that nothing above a client branches on where the model runs:
+
+- :class:`core.vllm_client.VLLMClient`: a supervised vLLM OpenAI server over HTTP (``/v1/completions``; the
+  serving layer starts the process, ``services/engines/process.py``, and hands the engine the client);
+- the in-process ``transformers`` references: :class:`grafting.local_client.TransformersClient` (the VLM's LLM,
+  continuous batching in this process) and :class:`audio.local_client.TransformersSpeechClient` (the speech LM).
+
+Which one an engine gets is decided in one place per family (``grafting/backend.py``, ``audio/backend.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -58,9 +61,12 @@ class TokenLogprob:
 
 @dataclass
 class CompletionChunk:
-    """One streamed step: new ``text`` (incrementally detokenised by the engine), the new ``token_ids``,
-    their ``logprobs`` (one per token id, when requested), ``finish_reason`` (``stop`` | ``length`` | None),
-    and on the final usage chunk ``completion_tokens`` (else None)."""
+    """One streamed step: new ``text`` (incrementally detokenised by the client, stop strings cut: the text of the
+    answer so far is the join of the chunks' texts), the new ``token_ids`` (every sampled id; the stop token that
+    ended the answer included, as vLLM reports it), their ``logprobs`` (one per token id, when requested),
+    ``finish_reason`` (``stop`` | ``length`` on the chunk of the last token, else None), and on the final usage
+    chunk (no text, no ids) ``completion_tokens`` (else None). A token that completes a stop string comes in a
+    chunk of its own, with the text before the stop string and ``finish_reason`` ``stop``."""
 
     text: str
     token_ids: list[int]
@@ -69,22 +75,68 @@ class CompletionChunk:
     completion_tokens: int | None = None
 
 
+@dataclass
+class CompletionRequest:
+    """One completion, whatever serves it.
+
+    ``prompt``: token ids (``list[int]``) or prompt embeddings (a float ``torch.Tensor`` of shape ``(T, H)``, the
+    LLM's hidden size ``H``, in the LLM's dtype: e.g. projected image features spliced into the text's embedding
+    rows). ``max_tokens`` new tokens at most. Sampling: ``temperature`` (0 = greedy), ``top_p`` in (0, 1],
+    ``top_k`` (0 = off), ``repetition_penalty`` (CTRL's, 1 = off; over the prompt's ids when the prompt is ids,
+    and the answer's), ``seed`` (None: unseeded; taken modulo 2**63). ``stop``: strings that end the answer (not
+    included in the text); ``stop_token_ids``: ids that end it (reported in ``token_ids``, no text).
+    ``logprobs``: None for none, else the number (0-20) of top alternatives besides each sampled token's own.
+    ``banned_token_ids``: ids never sampled. ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict
+    (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
+    ``extra_args``: per-request arguments of a custom logits processor (vLLM's ``vllm_xargs``; the in-process
+    client of the same family reads the same keys). ``skip_special_tokens``: leave special tokens out of the text.
+    """
+
+    prompt: Any
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    banned_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def prompt_is_ids(self) -> bool:
+        """True when ``prompt`` is a list of token ids (else a ``(T, H)`` embedding tensor)."""
+        return isinstance(self.prompt, (list, tuple))
+
+
 class LLMClient(Protocol):
-    """A client of one supervised engine process serving vLLM's ``/v1/completions``.
+    """A language model an engine talks to (see the module docstring).
 
     ``state``: ``ready`` when it can serve now, else ``starting`` | ``restarting`` | ``failed`` | ``stopped``.
-    ``stream(body)``: the engine's answer to a streaming completions request body as :class:`CompletionChunk`
-    (the last one carries ``completion_tokens``); closing the iterator early aborts the request in the engine;
-    raises EngineUnavailableError / EngineRequestError / EngineError. ``wait_ready(timeout)``: block until ``ready`` (True) or
-    ``failed``/``stopped``/``timeout`` seconds (False). ``close()``: release the engine (its process stops);
-    idempotent.
+    ``supports_structured_outputs``: whether ``CompletionRequest.structured_outputs`` is honoured.
+    ``stream(request)``: the answer to a :class:`CompletionRequest` as :class:`CompletionChunk` s (the last one the
+    usage chunk); closing the iterator early aborts the request; raises EngineUnavailableError /
+    EngineRequestError / EngineError. ``wait_ready(timeout)``: block until ``ready`` (True) or
+    ``failed``/``stopped``/``timeout`` seconds (False). ``await stats()``: a JSON-able dict with at least
+    ``backend`` (``transformers`` | ``vllm``), ``active`` (requests held now; None while unknown) and
+    ``generated_tokens`` (since start, all requests; None while unknown). ``close()``: release the model (a
+    batcher thread joins, an engine process stops); idempotent.
     """
 
     @property
     def state(self) -> str: ...
 
-    def stream(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]: ...
+    @property
+    def supports_structured_outputs(self) -> bool: ...
+
+    def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]: ...
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    async def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...

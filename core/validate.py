@@ -57,6 +57,25 @@ def check_seed(seed: Any, error: type[InputError] = InputError, param: str = "se
     return seed
 
 
+def check_max_tokens(max_tokens: Any, limit: int, error: type[InputError] = InputError,
+                     param: str = "max_tokens") -> int:
+    """``max_tokens`` itself when it is an integer (not a bool) from 1 to ``limit``; else raises
+    ``error("max_tokens must be an integer from 1 to <limit>", param, "invalid_value")`` (HTTP 400). The one
+    check of a chat request's token budget: the chat router and ``VLMEngine.sampling_params`` both call it."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= limit:
+        raise error(f"{param} must be an integer from 1 to {limit}", param, "invalid_value")
+    return max_tokens
+
+
+def check_messages(messages: Any, error: type[InputError] = InputError) -> list:
+    """``messages`` itself when it is a non-empty list; else raises ``error("messages must be a non-empty list",
+    "messages", "empty_messages")`` (HTTP 400). The one check of a chat request's message list: the chat router
+    and ``grafting.processor.GraftProcessor`` both call it."""
+    if not isinstance(messages, list) or not messages:
+        raise error("messages must be a non-empty list", "messages", "empty_messages")
+    return messages
+
+
 def has_lone_surrogate(s: str) -> bool:
     """True when ``s`` cannot be encoded as UTF-8 (it holds a lone surrogate, U+D800-U+DFFF). Pure-ASCII strings
     are answered in O(1); others are encoded once. The one test both sides use."""

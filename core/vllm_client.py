@@ -2,8 +2,9 @@
 
 :class:`VLLMClient` implements :class:`core.llm_client.LLMClient` over a :class:`Server` (the service's
 ``services.engines.process.ServerProcess``): the VLM and speech deployments start the server and hand the engine this
-client. The request body is built by the caller (``grafting.vllm_backend.CompletionRequest``); the stream is
-parsed into :class:`~core.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
+client. The body of ``/v1/completions`` is built here from a :class:`~core.llm_client.CompletionRequest`
+(:func:`request_body`, with :func:`embeds_payload` for an embedding prompt); the stream is parsed into
+:class:`~core.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
 ``CompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
 ``--enable-prompt-embeds``), ``return_token_ids`` (each chunk carries its new token ids),
 ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``, so alternatives are identified by id, not
@@ -26,15 +27,63 @@ fields, a logprob token that is not an id).
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httpx
 
-from .llm_client import CompletionChunk, EngineError, EngineRequestError, EngineUnavailableError, TokenLogprob
+from .constants import SERVED_NAME
+from .llm_client import (CompletionChunk, CompletionRequest, EngineError, EngineRequestError, EngineUnavailableError,
+                         TokenLogprob)
+from .validate import SEED_LIMIT
 
 TOKEN_ID_PREFIX = "token_id:"
+BANNED_BIAS = -100.0  # OpenAI's most negative logit_bias: a banned id is never sampled
+
+
+def embeds_payload(embeds: Any) -> str:
+    """``(T, H)`` float prompt embeddings (a ``torch.Tensor``, any device) -> base64 of ``torch.save`` of the
+    contiguous CPU tensor: what vLLM's ``prompt_embeds`` takes (the server needs ``--enable-prompt-embeds``)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(embeds.detach().cpu().contiguous(), buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def request_body(req: CompletionRequest, model: str = SERVED_NAME) -> dict[str, Any]:
+    """The streaming ``/v1/completions`` body of ``req`` for the served ``model``: ``prompt`` (ids) or
+    ``prompt_embeds`` (:func:`embeds_payload`), the sampling fields (``seed`` modulo 2**63), ``stop`` /
+    ``stop_token_ids``, ``logprobs`` when asked, ``banned_token_ids`` as ``logit_bias`` -100, ``structured_outputs``,
+    ``extra_args`` as ``vllm_xargs``; always streamed, token ids returned per chunk, logprob tokens as
+    ``token_id:<id>``, usage in a last chunk. Raises ValueError for a prompt that is neither ids nor a 2-D
+    tensor."""
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": req.temperature,
+                            "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
+                            "stop": list(req.stop), "stop_token_ids": list(req.stop_token_ids),
+                            "skip_special_tokens": req.skip_special_tokens}
+    if req.prompt_is_ids:
+        body["prompt"] = [int(i) for i in req.prompt]
+    elif getattr(req.prompt, "ndim", None) == 2:
+        body["prompt_embeds"] = embeds_payload(req.prompt)
+    else:
+        raise ValueError("a CompletionRequest prompt is token ids or a (T, H) embedding tensor")
+    if req.seed is not None:
+        body["seed"] = req.seed % SEED_LIMIT
+    if req.logprobs is not None:
+        body["logprobs"] = req.logprobs
+    if req.banned_token_ids:
+        body["logit_bias"] = {str(i): BANNED_BIAS for i in req.banned_token_ids}
+    if req.structured_outputs is not None:
+        body["structured_outputs"] = req.structured_outputs
+    if req.extra_args:
+        body["vllm_xargs"] = req.extra_args
+    body.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True,
+                return_tokens_as_token_ids=True)
+    return body
 
 
 class Server(Protocol):
@@ -42,6 +91,8 @@ class Server(Protocol):
     ``base_url`` (``http://host:port``, read per request: it moves after a failed start), ``state`` (``ready`` |
     ``starting`` | ``restarting`` | ``failed`` | ``stopped``), ``wait_ready(timeout)`` (True once ready, False on
     failed/stopped/``timeout`` seconds) and ``stop()`` (idempotent)."""
+
+    supports_structured_outputs = True
 
     @property
     def base_url(self) -> str: ...
@@ -131,9 +182,11 @@ class VLLMClient:
     """Async client of the ``/v1/completions`` of the vLLM server that ``server`` supervises (see the module
     docstring); reads the server's address per request (it moves after a failed start).
 
-    ``stream(body)`` yields :class:`CompletionChunk` until the engine's ``[DONE]``; raises
+    ``stream(request)`` (a :class:`~core.llm_client.CompletionRequest`, :func:`request_body`) and
+    ``stream_body(body)`` (a body as is) yield :class:`CompletionChunk` until the engine's ``[DONE]``; raise
     EngineUnavailableError / EngineRequestError / EngineError. ``timeout_s`` bounds connecting and each read
-    (seconds). ``state`` and ``wait_ready`` are the server's; ``close()`` stops it and closes the pool.
+    (seconds). ``state`` and ``wait_ready`` are the server's; ``await stats()`` the engine's counters;
+    ``close()`` stops the server and closes the pool. Structured outputs are supported.
 
     Completions share one ``httpx.AsyncClient`` (a keep-alive pool of at most ``max_connections`` connections,
     all of them kept alive when idle; a request beyond that waits for a free one, as it would wait in vLLM's
@@ -151,6 +204,8 @@ class VLLMClient:
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self.pools_opened = 0  # pools made so far (one per event loop used): for tests and benches
         self._pool_guard: AsyncIterator[None] | None = None  # closes the pool when its loop shuts down
+
+    supports_structured_outputs = True
 
     @property
     def base_url(self) -> str:
@@ -207,8 +262,35 @@ class VLLMClient:
         self._drop_pool()
         self.server.stop()
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]:
-        """Stream one completion of a streaming ``/v1/completions`` request ``body`` (see the class docstring)."""
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+        """Stream the completion of ``request`` (:func:`request_body`; an embedding prompt is encoded in a worker
+        thread). Closing the iterator closes the HTTP stream, which aborts the request in vLLM."""
+        if request.prompt_is_ids:
+            body = request_body(request)
+        else:
+            body = await asyncio.to_thread(request_body, request)
+        stream = self.stream_body(body)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    async def stats(self) -> dict[str, Any]:
+        """``backend`` ``vllm``; ``active``: requests vLLM holds (running + waiting), ``generated_tokens`` since
+        the server started (both from its ``/metrics``; None while it does not answer); ``engine_state``,
+        ``engine_pid`` (the API server's process id), ``engine_restarts`` (the supervisor's, when it keeps
+        them)."""
+        try:
+            active, generated = await self.requests_in_engine(), await self.generated_tokens()
+        except EngineUnavailableError:
+            active = generated = None
+        server = self.server
+        return {"backend": "vllm", "active": active, "generated_tokens": generated, "engine_state": server.state,
+                "engine_pid": getattr(server, "server_pid", None), "engine_restarts": getattr(server, "restarts", None)}
+
+    async def stream_body(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]:
+        """Stream one completion of a streaming ``/v1/completions`` request ``body`` as given (tests, benches)."""
         k = body.get("logprobs") or 0
         try:
             client = await self._client()

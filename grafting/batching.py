@@ -1,6 +1,8 @@
-"""Continuous batching for the grafted VLM: concurrent requests share each decode step.
+"""Continuous batching of the in-process LLM (:class:`grafting.local_client.TransformersClient`): concurrent
+requests share each decode step.
 
-Each request is prefilled on its own (batch 1, image features spliced in), then joins the running batch; every
+Each request (a :class:`~core.llm_client.CompletionRequest`: token ids, or ``(T, H)`` embeddings with image
+features spliced in) is prefilled on its own (batch 1), then joins the running batch; every
 decode step runs one LLM forward for all active sequences (left-padded KV cache, per-row attention mask and
 position ids); finished or cancelled sequences leave the batch after any step, new ones join before the next.
 The scheme is Orca's iteration-level scheduling (Yu et al., OSDI 2022) without paged memory: the batched cache is
@@ -19,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .generate import Delta, SamplingParams, SequenceState, prefill
-from .model import GraftedVLM
-from .processor import Prompt
+from core.llm_client import CompletionRequest
+
+from .generate import SequenceState, prefill
 
 
 class BatcherClosed(RuntimeError):
@@ -76,9 +78,10 @@ def _trim_cache_left(cache: DynamicCache, drop: int) -> None:
 class ContinuousBatcher:
     """A background thread that decodes all submitted requests together, at most ``max_batch_size`` at a time.
 
-    ``submit(prompt, params, cancel, emit)`` queues a request; ``emit`` is called from the batcher thread with
-    each :class:`~grafting.generate.Delta` of that request (the last one has ``finish_reason`` set), or once with
-    an exception if the request fails (the other requests go on). ``active`` is the current batch size and
+    ``submit(request, cancel, emit)`` queues a :class:`~core.llm_client.CompletionRequest`; ``emit`` is called
+    from the batcher thread with each :class:`~core.llm_client.CompletionChunk` of that request (the last one is
+    the usage chunk), or once with an exception if the request fails (the other requests go on); a set
+    ``cancel`` drops the request from the batch before its next step, with no more chunks. ``active`` is the current batch size and
     ``max_batch_seen`` the largest batch formed. Works for any decoder-only LLM whose layers keep a standard ``DynamicCache``.
 
     :meth:`close` (or leaving a ``with`` block) stops the thread and joins it; whoever starts a batcher closes it
@@ -86,12 +89,11 @@ class ContinuousBatcher:
     ("terminate called without an active exception").
     """
 
-    def __init__(self, model: GraftedVLM, tokenizer, eos_token_ids: set[int], max_batch_size: int = 8):
+    def __init__(self, llm, tokenizer, max_batch_size: int = 8):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        self.model = model
+        self.llm = llm  # a causal LM (transformers ``*ForCausalLM`` or the same forward signature)
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_batch_seen = 0
         self.active = 0  # rows in the running batch (read by servers for stats)
@@ -102,14 +104,14 @@ class ContinuousBatcher:
         self._thread = threading.Thread(target=self._run, name="vlm-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event | None,
+    def submit(self, request: CompletionRequest, cancel: threading.Event | None,
                emit: Callable[[Any], None]) -> None:
-        """Queue a prepared prompt for generation (thread-safe, returns at once). Raises :class:`BatcherClosed`
-        after :meth:`close`."""
+        """Queue a request for generation (thread-safe, returns at once). Raises :class:`BatcherClosed` after
+        :meth:`close`."""
         with self._lock:
             if self._closed.is_set():
                 raise BatcherClosed("the batcher is closed")
-            self._queue.put((prompt, params, cancel, emit))
+            self._queue.put((request, cancel, emit))
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the batcher thread and wait (up to ``timeout`` seconds; None: until it has stopped). The thread
@@ -129,14 +131,14 @@ class ContinuousBatcher:
 
     # -- the batcher thread -----------------------------------------------------------------------------------
     def _admit(self, item) -> tuple[_Slot, DynamicCache] | None:
-        prompt, params, cancel, emit = item
+        request, cancel, emit = item
         try:
-            state = SequenceState(self.model, self.tokenizer, prompt, params, self.eos_token_ids, cancel)
-            out = prefill(self.model, prompt)
+            state = SequenceState(self.tokenizer, request, cancel)
+            out = prefill(self.llm, request.prompt)
         except Exception as exc:  # noqa: BLE001 - reported to that request only
             _safe_emit(emit, exc)
             return None
-        return _Slot(state, emit, out.logits[0, -1], prompt.num_tokens), out.cache
+        return _Slot(state, emit, out.logits[0, -1], len(request.prompt)), out.cache
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -165,13 +167,18 @@ class ContinuousBatcher:
             keep = []
             for i, slot in enumerate(active):
                 try:
-                    delta: Delta = slot.state.step(slot.logits)
+                    chunks = slot.state.step(slot.logits)
                 except Exception as exc:  # noqa: BLE001 - e.g. non-finite logits: that request fails
                     _safe_emit(slot.emit, exc)
                     continue
-                self.generated_tokens += 1
-                if not _safe_emit(slot.emit, delta) and slot.state.cancel is not None:
-                    slot.state.cancel.set()  # nobody is listening any more
+                if chunks:
+                    self.generated_tokens += 1
+                for chunk in chunks:
+                    if not _safe_emit(slot.emit, chunk):
+                        if slot.state.cancel is not None:
+                            slot.state.cancel.set()  # nobody is listening any more
+                        slot.state.finished = True
+                        break
                 if not slot.state.finished:
                     keep.append(i)
             if len(keep) < len(active):
@@ -205,21 +212,20 @@ class ContinuousBatcher:
             except queue.Empty:
                 return
             if item is not None:
-                _safe_emit(item[3], closed)
+                _safe_emit(item[2], closed)
 
     def _decode(self, active: list[_Slot], cache: DynamicCache) -> DynamicCache:
         """One LLM forward for the last token of every active row; updates their logits and lengths."""
-        total = cache.get_seq_length()
-        ids = torch.tensor([[s.state.last_token] for s in active], device=self.model.device)
+        ids = torch.tensor([[s.state.last_token] for s in active], device=self.llm.get_input_embeddings().weight.device)
         if len(active) == 1:  # exactly the single-sequence path
-            out = self.model.llm(input_ids=ids, cache=cache, use_cache=True)
+            out = self.llm(input_ids=ids, cache=cache, use_cache=True)
         else:
+            total = cache.get_seq_length()
             mask = torch.ones(len(active), total + 1, dtype=torch.long, device=ids.device)
             for row, s in enumerate(active):
                 mask[row, : total - s.length] = 0
             positions = torch.tensor([[s.length] for s in active], device=ids.device)
-            out = self.model.llm(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                 use_cache=True)
+            out = self.llm(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         for row, s in enumerate(active):
             s.logits = out.logits[row, -1]
             s.length += 1

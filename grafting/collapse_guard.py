@@ -1,11 +1,12 @@
 """Text collapse guard for chat: one token repeated ``min_run`` (default 4) or more times in a row.
 
 Small LLMs (and big ones at low temperature) sometimes fall into emitting one token over and over
-("the the the the ..."). The guard watches the token stream of either backend (the :class:`~grafting.generate.Delta`
-events of ``generate_stream`` / the batcher / the vLLM backend) and, when a non-exempt token is about to make a
-run of ``min_run``:
+("the the the the ..."). The guard watches the LLM client's chunk stream (:class:`~core.llm_client.CompletionChunk`,
+the same from either backend: :mod:`core.llm_client`) and, when a non-exempt token is about to make a run of
+``min_run``:
 
-1. the answer is rolled back to the run's first token (a word said once is fine; its repeats are dropped),
+1. the answer is rolled back to before the chunks holding the run's repeats (a word said once is fine; its
+   repeats are dropped; a chunk of several tokens, as vLLM's speculative decoding sends, is dropped whole),
 2. generation resumes from there - the prompt plus the kept answer tokens as the new prompt - with another seed
    (``seed + 1``; a request without a seed stays unseeded) and ``repetition_penalty`` raised by
    ``penalty_step`` (CTRL's penalty, :func:`grafting.generate.apply_repetition_penalty`; vLLM applies the same),
@@ -13,36 +14,36 @@ run of ``min_run``:
    ``stop``, ``report.cut_short``).
 
 This mirrors the speech family's loop guard (``audio/generate.py``: hold back what a retry may discard, roll back,
-resume with a higher penalty). The client never sees retracted text: the repeats of a token (run positions 2
-and later) are held back until the run breaks, so the stream is delayed by at most ``min_run - 2`` tokens and
-only inside a run. Runs of exempt tokens - those whose text, stripped of spaces, fully matches ``exempt_regex``
+resume with a higher penalty). The client never sees retracted text: a chunk that leaves a run of two or more
+open is held back until the run breaks, so the stream is delayed by at most ``min_run - 2`` tokens and only
+inside a run. Runs of exempt tokens - those whose text, stripped of spaces, fully matches ``exempt_regex``
 (default: whitespace, punctuation, digits) - are never held and never fire: markdown table rules (``|---|``),
 indentation, ``....`` and numbers like ``10000`` (SmolLM2 writes digits one token each) are legitimate.
 
-The guard detokenises the answer itself (:class:`~grafting.generate.TextStreamer` over all kept ids, stop strings
-included - the ``transformers`` backend's own detokeniser), so text and stop strings are exact across a resume
-point, and a chunk of several tokens (vLLM with speculative decoding) never smuggles a repeat's text out with the
-token before it. Without a collapse the events are the backend's, with the text each token brings by that
-detokeniser: for the ``transformers`` backend exactly its own events.
+Text is detokenised once: until the first rollback the chunks keep the client's own text; a resumed attempt's
+text is the guard's (:class:`~grafting.generate.TextStreamer` over all kept ids, stop strings included), so text
+and stop strings are exact across the resume point. Without a collapse the chunks pass through unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
+from core.llm_client import CompletionChunk
 from core.validate import SEED_LIMIT
 
 from .config import CollapseGuardConfig
-from .generate import Delta, SamplingParams, TextStreamer
+from .generate import SamplingParams, TextStreamer
 from .processor import Prompt
 
-Attempt = Callable[[Prompt, SamplingParams], AsyncIterator[Delta]]
+#: ``start(kept_ids, retry)``: the chunks of one attempt; retry 0 is the request as asked, retry ``r > 0`` resumes
+#: after ``kept_ids`` (the answer's ids released so far) with :func:`retry_params` ``(..., r)``.
+Start = Callable[[list[int], int], AsyncIterator[CompletionChunk]]
 
 
 @dataclass
@@ -88,9 +89,15 @@ class RunDetector:
             self.token, self.length = token_id, 1
         return self.length
 
-    def rewind_to_first(self) -> None:
-        """After a rollback to the run's first token: the run is that one token again."""
-        self.length = 1 if self.token is not None else 0
+    def reset(self, ids: list[int]) -> None:
+        """After a rollback: the run is the one ``ids`` (the kept answer) ends with."""
+        self.token, self.length = None, 0
+        if ids and not self.exempt(ids[-1]):
+            self.token = ids[-1]
+            for t in reversed(ids):
+                if t != self.token:
+                    break
+                self.length += 1
 
 
 def continuation(prompt: Prompt, kept_ids: list[int]) -> Prompt:
@@ -110,76 +117,94 @@ def retry_params(params: SamplingParams, kept: int, config: CollapseGuardConfig,
                                repetition_penalty=params.repetition_penalty + retry * config.penalty_step)
 
 
-async def guarded_stream(attempt: Attempt, prompt: Prompt, params: SamplingParams, config: CollapseGuardConfig,
-                         tokenizer, report: GuardReport | None = None) -> AsyncIterator[Delta]:
-    """Stream an answer through the collapse guard (see the module docstring).
+async def guard_chunks(start: Start, config: CollapseGuardConfig, tokenizer, stop: list[str], max_tokens: int,
+                       report: GuardReport | None = None) -> AsyncIterator[CompletionChunk]:
+    """Stream an answer's chunks through the collapse guard (see the module docstring).
 
     Args:
-        attempt: starts one generation: ``attempt(prompt, params)`` -> async iterator of Delta events ending with
-            one whose ``finish_reason`` is set (each generated token carries its ``token_id``); closing it must
-            stop the generation (both backends do).
-        prompt, params: the request's; config: ``vlm.engine.collapse_guard``; tokenizer: the LLM's (token texts
-            for the exemption, the answer's detokenisation); report: filled in as it goes.
-    Yields: Delta events like ``attempt``'s; ``completion_tokens`` counts the kept answer tokens (and the EOS
-    token when the answer ends with one, as the backends do). Errors of ``attempt`` propagate unchanged.
+        start: opens one attempt (:data:`Start`); closing the iterator it returns must stop that generation (both
+            clients do).
+        config: ``vlm.engine.collapse_guard`` (``enabled`` false: the first attempt's chunks as they come);
+        tokenizer: the LLM's (token texts for the exemption, a resumed answer's detokenisation); stop: the
+        request's stop strings; max_tokens: its token budget; report: filled in as it goes.
+    Yields: the chunks of :class:`~core.llm_client.CompletionChunk` (the last one the usage chunk, whose
+    ``completion_tokens`` counts the kept answer tokens, the stop token included when the answer ends with one).
+    Errors of ``start``'s iterators propagate unchanged.
     """
     report = report if report is not None else GuardReport()
     if not config.enabled:
-        stream = attempt(prompt, params)
+        stream = start([], 0)
         try:
-            async for d in stream:
-                yield d
+            async for c in stream:
+                yield c
         finally:
             await stream.aclose()
         return
     runs = RunDetector(config, lambda i: tokenizer.decode([i]))
-    kept: list[int] = []  # answer token ids released to the client
-    own = TextStreamer(tokenizer, params.stop)  # the answer's text, from all kept ids
+    kept: list[int] = []  # answer token ids released to the reader
+    sent = 0  # characters of text released
+    own: TextStreamer | None = None  # the answer's text from all kept ids, once an attempt resumed
 
-    def release(d: Delta, base: int) -> Delta:
-        text = ""
-        if d.token_id is not None:
-            kept.append(d.token_id)
-            text = own.push(d.token_id)
-        if d.finish_reason is not None:
-            text += own.flush()
-        return dataclasses.replace(d, text=text, completion_tokens=base + d.completion_tokens)
+    def release(c: CompletionChunk) -> CompletionChunk:
+        nonlocal sent
+        kept.extend(c.token_ids)
+        if own is None:
+            text, finish = c.text, c.finish_reason
+        else:
+            text, finish = "", c.finish_reason
+            for t in c.token_ids:
+                text += own.push(t)
+                if own.stopped:
+                    finish = "stop"  # a stop string completed across the resume point
+                    break
+            if finish is not None and not own.stopped:
+                text += own.flush()
+        sent += len(text)
+        return dataclasses.replace(c, text=text, finish_reason=finish)
 
     retry = 0
     while True:
-        p = prompt if retry == 0 else continuation(prompt, kept)
-        sp = params if retry == 0 else retry_params(params, len(kept), config, retry)
         base = len(kept)
-        held: list[Delta] = []
-        stream = attempt(p, sp)
+        held: list[CompletionChunk] = []
+        collapsed = False
+        stream = start(list(kept), retry)
         try:
-            async for d in stream:
-                if d.finish_reason is None:
-                    run = runs.push(d.token_id) if d.token_id is not None else 0
-                    if run >= 2 or (held and d.token_id is None):  # a repeat: hold it until the run breaks
-                        held.append(d)
-                        if run >= config.min_run:
-                            break
-                        continue
-                for h in held + [d]:
-                    out = release(h, base)
-                    if own.stopped and out.finish_reason is None:  # a stop string completed across a resume
-                        out = dataclasses.replace(out, finish_reason="stop")
-                    yield out
-                    if out.finish_reason is not None:
+            async for c in stream:
+                if c.completion_tokens is not None and not c.token_ids:  # the usage chunk
+                    for h in held:
+                        yield release(h)
+                    yield dataclasses.replace(c, completion_tokens=base + c.completion_tokens)
+                    return
+                top = max((runs.push(t) for t in c.token_ids), default=runs.length)
+                if top >= config.min_run:
+                    held.append(c)
+                    collapsed = True
+                    break
+                if runs.length >= 2 and c.finish_reason is None:  # a run is open: hold until it breaks
+                    held.append(c)
+                    continue
+                for h in held + [c]:
+                    yield release(h)
+                    if own is not None and own.stopped:  # a stop string completed across the resume point
+                        yield CompletionChunk("", [], None, None, len(kept))
                         return
                 held = []
-            else:
-                return  # the attempt ended without a final event (the backends always send one)
+            else:  # the attempt ended without a usage chunk (the clients always send one)
+                for h in held:
+                    yield release(h)
+                return
         finally:
             await stream.aclose()
-        # collapsed: drop the held repeats, keep the run's first token
+        assert collapsed
         report.collapses += 1
-        report.dropped_tokens += sum(1 for h in held if h.token_id is not None)
-        runs.rewind_to_first()
-        if retry >= config.max_retries or params.max_new_tokens - len(kept) < 1:
+        report.dropped_tokens += sum(len(h.token_ids) for h in held)
+        runs.reset(kept)
+        if own is None:
+            own = TextStreamer(tokenizer, stop, ids=kept, sent=sent)
+        if retry >= config.max_retries or max_tokens - len(kept) < 1:
             report.cut_short = True
-            yield Delta(own.flush(), None, "stop", len(kept), time.perf_counter())
+            yield CompletionChunk(own.flush(), [], None, "stop")
+            yield CompletionChunk("", [], None, None, len(kept))
             return
         retry += 1
         report.retries = retry

@@ -1,19 +1,17 @@
 """``VLMEngine``: the one entry point to the grafted vision-LLM (service, tests, notebooks, benchmarks).
 
 Loads tower, projector and LLM with ``from_pretrained`` (hub ids or directories), builds the processor, and
-answers OpenAI-style conversations, streamed token by token or whole. Two LLM backends (``from_config(backend=)``):
-``transformers`` decodes in this process (:mod:`grafting.generate`, :mod:`grafting.batching`: the exact
-reference) and ``vllm`` in a vLLM server that the caller owns and hands in as a client (:mod:`grafting.vllm_backend`,
-:mod:`core.llm_client`); both stream the same :class:`~grafting.generate.Delta` events.
+answers OpenAI-style conversations, streamed token by token (:meth:`VLMEngine.stream`) or whole. The LLM is
+reached only through an :class:`~core.llm_client.LLMClient` (``grafting/backend.py`` picks it: in-process
+``transformers`` or a ``vllm`` server the caller owns); :mod:`grafting.llm_stream` turns its chunks into
+:class:`~grafting.generate.Delta` events, with the collapse guard in between.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +19,15 @@ from typing import Any
 import torch
 
 from core.config import resolve_path
-from core.llm_client import LLMClient
+from core.llm_client import EngineUnavailableError, LLMClient
 from core.memory import DTYPES
-from core.validate import check_seed
+from core.validate import check_max_tokens, check_seed
 
+from .backend import check_backend, load_llm
+from .collapse_guard import GuardReport
 from .config import VLMConfig
-from .generate import Delta, SamplingParams, generate_stream
+from .generate import Delta, SamplingParams
+from .llm_stream import answer
 from .model import GraftedVLM
 from .processor import GraftProcessor, ImageLimitsView, Prompt, PromptError
 from .projector import GraftProjector
@@ -48,31 +49,25 @@ class Completion:
 class VLMEngine:
     """Grafted VLM engine.
 
-    Args: model (:class:`GraftedVLM`), processor (:class:`GraftProcessor`), config (:class:`VLMConfig`),
-    vllm (:class:`~grafting.vllm_backend.VLLMBackend` for ``backend="vllm"``, over an injected
-    :class:`~core.llm_client.LLMClient`; then ``model.llm`` is only the LLM's embedding table).
+    Args: model (:class:`GraftedVLM`; with the ``vllm`` backend ``model.llm`` is only the LLM's embedding table),
+    processor (:class:`GraftProcessor`), config (:class:`VLMConfig`), client (the
+    :class:`~core.llm_client.LLMClient` the LLM decodes through).
     Errors: :meth:`prepare` raises PromptError / ImageInputError (ValueError subclasses with ``status_code``);
-    :meth:`generate` raises PromptError when ``max_tokens`` is out of range; the ``vllm`` backend raises
-    EngineUnavailableError (503) while its server is down.
+    :meth:`sampling_params` raises PromptError for out-of-range fields; :meth:`stream` raises PromptError when the
+    prompt plus ``max_tokens`` exceeds the context, EngineUnavailableError (503) while the client's engine is down.
     """
 
-    def __init__(self, model: GraftedVLM, processor: GraftProcessor, config: VLMConfig, vllm=None):
+    def __init__(self, model: GraftedVLM, processor: GraftProcessor, config: VLMConfig, client: LLMClient):
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.config = config
+        self.client = client
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(model.llm.generation_config, "eos_token_id", None)
         ids = set([eos] if isinstance(eos, int) else (eos or []))
         ids |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.eos_token_ids = ids
-        self._batcher = None
-        self.vllm = vllm
-
-    @property
-    def backend(self) -> str:
-        """``transformers`` or ``vllm``."""
-        return "vllm" if self.vllm is not None else "transformers"
 
     @classmethod
     def from_config(cls, config: VLMConfig, model_dir: str | Path | None = None,
@@ -85,36 +80,19 @@ class VLMEngine:
         the LLM's embedding table is loaded here; ``llm_client`` is the client of the vLLM server that the caller
         started and owns, e.g. ``services.engines.vllm_server.start_vllm_for(config, model_dir)``; it need not be ready
         yet - see :meth:`ready`). ValueError for another backend name, for ``vllm`` without ``llm_client`` or for
-        ``transformers`` with one."""
-        if backend not in ("transformers", "vllm"):
-            raise ValueError(f"unknown backend {backend!r} (transformers | vllm)")
-        if (backend == "vllm") != (llm_client is not None):
-            raise ValueError("the vllm backend takes an llm_client (and only it does)")
-        from transformers import AutoModelForCausalLM, AutoTokenizer, Kimi_K25ImageProcessor
+        ``transformers`` with one (:func:`grafting.backend.check_backend`)."""
+        from transformers import AutoTokenizer, Kimi_K25ImageProcessor
 
+        check_backend(backend, llm_client)  # before anything loads
         dtype = DTYPES[config.dtype]
         tower_path = resolve_path(model_dir, config.tower)
         llm_path = resolve_path(model_dir, config.llm)
-        device_map = "auto" if config.device == "auto" else None
         tower_device = "cuda:0" if config.device == "auto" else config.device
-        if backend == "vllm":
-            from transformers import GenerationConfig
-
-            from .vllm_backend import EmbeddingTable, load_input_embeddings
-
-            try:
-                gen = GenerationConfig.from_pretrained(llm_path)
-            except OSError:
-                gen = None
-            llm = EmbeddingTable(load_input_embeddings(llm_path, dtype), gen).to(tower_device)
-        else:
-            llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=dtype, device_map=device_map)
-            if device_map is None:
-                llm = llm.to(config.device)
+        tokenizer = AutoTokenizer.from_pretrained(llm_path)
+        llm, client = load_llm(backend, llm_path, dtype, config.device, tokenizer, config.max_batch_size, llm_client)
         tower = load_tower(tower_path, dtype=dtype, device=tower_device, key_prefix=config.tower_key_prefix)
         projector = GraftProjector.from_pretrained(resolve_path(model_dir, config.projector),
                                                    dtype=DTYPES[config.projector_dtype]).to(tower_device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(llm_path)
         image_processor = Kimi_K25ImageProcessor.from_pretrained(
             tower_path, size={"max_height": config.max_image_side // 14, "max_width": config.max_image_side // 14})
         lim = config.limits
@@ -132,20 +110,21 @@ class VLMEngine:
             from .image_cache import ImageFeatureCache
 
             model.image_cache = ImageFeatureCache(config.image_cache.max_bytes)
-        engine = cls(model, processor, config)
-        if backend == "vllm":
-            from .vllm_backend import VLLMBackend
-
-            engine.vllm = VLLMBackend(config, model, engine.eos_token_ids, llm_client)
-        return engine
+        return cls(model, processor, config, client)
 
     def ready(self) -> bool:
-        """True when the engine can answer now (the ``vllm`` backend: its server is healthy)."""
-        return self.vllm is None or self.vllm.ready()
+        """True when the engine can answer now (the client's engine is up and healthy)."""
+        return self.client.state == "ready"
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`ready` (the ``vllm`` server up) or ``timeout`` seconds; returns :meth:`ready`."""
-        return self.vllm is None or self.vllm.wait_ready(timeout)
+        """Block until :meth:`ready` or ``timeout`` seconds; returns :meth:`ready`."""
+        return self.client.wait_ready(timeout)
+
+    async def stats(self) -> dict:
+        """The client's counters (:meth:`core.llm_client.LLMClient.stats`): ``backend``, ``active`` requests held
+        now and ``generated_tokens`` since start (None while the engine is down), plus what the client adds
+        (in-process: ``max_batch_seen``; vLLM: ``engine_state``, ``engine_pid``, ``engine_restarts``)."""
+        return await self.client.stats()
 
     # ------------------------------------------------------------------------------------------
     def prepare(self, messages: list[dict[str, Any]]) -> Prompt:
@@ -160,9 +139,7 @@ class VLMEngine:
         check_seed(seed, PromptError)
         if max_tokens is None:
             max_tokens = self.config.default_max_new_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > self.config.max_new_tokens:
-            raise PromptError(f"max_tokens must be an integer from 1 to {self.config.max_new_tokens}",
-                              "max_tokens", "invalid_value")
+        check_max_tokens(max_tokens, self.config.max_new_tokens, PromptError)
         temperature = 1.0 if temperature is None else float(temperature)
         if not 0.0 <= temperature <= 2.0:
             raise PromptError("temperature must be between 0 and 2", "temperature", "invalid_value")
@@ -179,11 +156,11 @@ class VLMEngine:
         return SamplingParams(max_tokens, temperature, top_p, seed, stops, bool(logprobs), top_logprobs or 0)
 
     def response_format(self, response_format: Any) -> dict | None:
-        """Validate an OpenAI ``response_format`` and return what the ``vllm`` backend sends (None for plain
-        text): ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema",
-        "strict"}}``; the answer is always constrained to the schema (``strict`` true or not). PromptError 400:
-        ``invalid_value`` for a malformed one, ``unsupported_parameter`` for JSON modes on the ``transformers``
-        backend."""
+        """Validate an OpenAI ``response_format`` and return what :meth:`stream` takes (None for plain text):
+        ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
+        the answer is always constrained to the schema (``strict`` true or not). PromptError 400:
+        ``invalid_value`` for a malformed one, ``unsupported_parameter`` for JSON modes when the client has no
+        structured outputs (the ``transformers`` backend)."""
         if response_format is None:
             return None
         if not isinstance(response_format, dict) or response_format.get("type") not in \
@@ -197,7 +174,7 @@ class VLMEngine:
                               "invalid_value")
         if kind == "text":
             return None
-        if self.vllm is None:
+        if not self.client.supports_structured_outputs:
             raise PromptError(f"response_format {kind} needs the vllm backend (vlm.engine.backend)",
                               "response_format", "unsupported_parameter")
         if kind == "json_object":
@@ -216,54 +193,46 @@ class VLMEngine:
             raise PromptError("prompt plus max_tokens exceeds the context limit", "max_tokens",
                               "context_length_exceeded")
 
-    def generate(self, prompt: Prompt, params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[Delta]:
-        """Stream the answer to a prepared prompt as :class:`~grafting.generate.Delta` events (``transformers``
-        backend; the ``vllm`` backend streams with :meth:`agenerate`)."""
+    async def stream(self, prompt: Prompt, params: SamplingParams, response_format: dict | None = None,
+                     report: GuardReport | None = None, guard: bool = True) -> AsyncIterator[Delta]:
+        """Stream the answer to a prepared prompt as :class:`~grafting.generate.Delta` events (one per token, then
+        a final one with ``finish_reason`` ``stop`` | ``length`` and ``completion_tokens``), whichever backend:
+        :func:`grafting.llm_stream.answer`. ``response_format``: as returned by :meth:`response_format`;
+        ``guard``: run the collapse guard (``config.collapse_guard``; always off with a ``response_format``),
+        filling ``report`` in. Raises (at the first event) PromptError ``context_length_exceeded`` when the
+        prompt plus ``max_tokens`` exceeds the context, EngineUnavailableError while the engine is down; later
+        the client's errors. Closing the iterator aborts the request (the batcher drops the row; vLLM aborts)."""
         self._check_context(prompt, params)
-        if self.vllm is not None:
-            raise RuntimeError("the vllm backend streams with agenerate()")
-        return generate_stream(self.model, self.tokenizer, prompt, params, self.eos_token_ids, cancel)
-
-    async def agenerate(self, prompt: Prompt, params: SamplingParams,
-                        response_format: dict | None = None) -> AsyncIterator[Delta]:
-        """Stream the answer through the ``vllm`` backend (``response_format`` as returned by
-        :meth:`response_format`); closing the iterator aborts the request in vLLM."""
-        self._check_context(prompt, params)
-        async for d in self.vllm.generate(prompt, params, response_format):
-            yield d
-
-    def batcher(self):
-        """The engine's :class:`~grafting.batching.ContinuousBatcher` (started on first use, ``max_batch_size``
-        from the config): what a server uses so that concurrent requests share decode steps."""
-        from .batching import ContinuousBatcher
-
-        if self._batcher is None:
-            self._batcher = ContinuousBatcher(self.model, self.tokenizer, self.eos_token_ids,
-                                              self.config.max_batch_size)
-        return self._batcher
+        if self.client.state != "ready":
+            raise EngineUnavailableError(f"the language-model engine is {self.client.state}; retry shortly")
+        cfg = self.config.collapse_guard
+        if not guard:
+            cfg = cfg.model_copy(update={"enabled": False})
+        stream = answer(self.model, self.client, self.tokenizer, prompt, params, self.eos_token_ids, cfg,
+                        response_format, report)
+        try:
+            async for d in stream:
+                yield d
+        finally:
+            await stream.aclose()
 
     def close(self) -> None:
-        """Stop the continuous batcher if one was started (joins its thread; unfinished requests get
-        :class:`~grafting.batching.BatcherClosed`; a later :meth:`batcher` starts a new one) and release the
-        ``vllm`` backend's client, which stops its server. Idempotent."""
-        batcher, self._batcher = self._batcher, None
-        if batcher is not None:
-            batcher.close()
-        if self.vllm is not None:
-            self.vllm.close()
+        """Release the client: the in-process batcher's thread joins (a later request starts a new one), a vLLM
+        server stops. Idempotent."""
+        self.client.close()
 
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
-        """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop)."""
+        """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop), from
+        blocking code (it runs its own event loop)."""
         t0 = time.perf_counter()
         prompt = self.prepare(messages)
         params = self.sampling_params(**sampling)
-        parts, ttft, last = [], None, None
 
         async def collect() -> list[Delta]:
-            return [d async for d in self.agenerate(prompt, params)]
+            return [d async for d in self.stream(prompt, params)]
 
-        for d in (asyncio.run(collect()) if self.vllm is not None else self.generate(prompt, params)):
+        parts, ttft, last = [], None, None
+        for d in asyncio.run(collect()):
             if ttft is None:
                 ttft = d.t - t0
             parts.append(d.text)
@@ -273,10 +242,13 @@ class VLMEngine:
 
     @torch.inference_mode()
     def logits(self, messages: list[dict[str, Any]]) -> torch.Tensor:
-        """Next-token logits at every prompt position: ``(T, V)`` float (the generation prompt included;
-        ``transformers`` backend only)."""
-        if self.vllm is not None:
-            raise RuntimeError("logits() needs the transformers backend (the vllm backend holds no LLM layers)")
+        """Next-token logits at every prompt position: ``(T, V)`` float (the generation prompt included). Needs the
+        LLM's layers in this process (the ``transformers`` backend); RuntimeError when ``model.llm`` holds only
+        the embedding table."""
         p = self.prepare(messages)
-        out = self.model(p.input_ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        try:
+            out = self.model(p.input_ids, pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        except NotImplementedError:  # nn.Module without forward: the embedding table alone
+            raise RuntimeError("logits() needs the LLM's layers in this process (the transformers backend)") \
+                from None
         return out.logits[0]

@@ -1,9 +1,11 @@
-"""Token-by-token generation for the grafted VLM: prefill once, decode with the KV cache, stream text.
+"""Token-by-token generation in this process (the ``transformers`` reference of the LLM client protocol):
+prefill once, decode with the KV cache, stream :class:`~core.llm_client.CompletionChunk` s.
 
-Prefill runs the LLM over the prompt's input embeddings (image features spliced in); each decode step feeds one
-token id with the KV cache. Text is streamed incrementally: a delta is held back while it ends inside a UTF-8
-sequence or could still be the start of a stop string (the OpenAI ``stop`` semantics: the stop string itself is
-not returned).
+Prefill runs the LLM over the request's prompt, token ids or ``(T, H)`` embeddings (image features spliced in);
+each decode step feeds one token id with the KV cache. Text is streamed incrementally: a delta is held back while
+it ends inside a UTF-8 sequence or could still be the start of a stop string (the OpenAI ``stop`` semantics: the
+stop string itself is not returned). The chunks follow vLLM's completions stream (see
+:class:`core.llm_client.CompletionChunk`), so that the layers above read both backends alike.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import GraftedVLM
-from .processor import Prompt
+from core.llm_client import CompletionChunk, CompletionRequest, TokenLogprob
+from core.validate import SEED_LIMIT
 
 
 @dataclass
@@ -40,9 +42,10 @@ class SamplingParams:
 
 @dataclass
 class Delta:
-    """One step of a generation stream: ``text`` is new visible text (may be empty), ``token_id`` the sampled
-    token (None on the final event), ``finish_reason`` set on the last event (``stop`` | ``length`` |
-    ``cancelled``), ``completion_tokens`` so far, ``t`` a ``time.perf_counter()`` stamp in seconds; with
+    """One event of the VLM's output stream (:meth:`grafting.engine.VLMEngine.stream`, made by
+    :func:`grafting.llm_stream.to_deltas`): ``text`` is new visible text (may be empty), ``token_id`` the sampled
+    token (None on the final event), ``finish_reason`` set on the last event (``stop`` | ``length``),
+    ``completion_tokens`` so far, ``t`` a ``time.perf_counter()`` stamp in seconds; with
     ``SamplingParams.logprobs``: ``logprob`` of ``token_id`` and ``top_logprobs`` ``[(token_id, logprob)]``."""
 
     text: str
@@ -108,18 +111,21 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_k: int) -> tuple[flo
 
 
 class TextStreamer:
-    """Incremental detokenizer with stop strings: feed token ids, get safe-to-send text deltas."""
+    """Incremental detokenizer with stop strings: feed token ids, get safe-to-send text deltas. ``ids`` and
+    ``sent`` (characters of the decoded text already handed out) may be preset to resume an answer."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, ids: list[int] | None = None,
+                 sent: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already sent
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(ids or [])
+        self.sent = sent  # characters of the decoded text already sent
         self.stopped = False
 
     def text(self) -> str:
-        """The whole decoded answer so far (special tokens skipped)."""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """The whole decoded answer so far (special tokens skipped unless told otherwise)."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that can be sent now (sets ``stopped`` when a stop string appears)."""
@@ -152,88 +158,93 @@ class TextStreamer:
 
 
 class SequenceState:
-    """Decoding state of one request, shared by single-sequence and batched decode.
+    """Decoding state of one :class:`~core.llm_client.CompletionRequest`, shared by single-sequence and batched
+    decode.
 
-    ``step(logits)`` takes the next-token logits ``(V,)`` of this sequence and returns the :class:`Delta` for it
-    (sampled token and new text, or the final event); ``finished`` tells whether the sequence is over and
-    ``last_token`` is the id to feed to the next decode step.
-    Raises NonFiniteOutputError when ``logits`` are not all finite.
+    ``step(logits)`` takes the next-token logits ``(V,)`` of this sequence, samples one token and returns its
+    chunks: one :class:`~core.llm_client.CompletionChunk` per token, and with the last one (a stop token, a
+    completed stop string, ``max_tokens``) ``finish_reason`` set and the usage chunk after it. ``finished`` tells
+    whether the sequence is over and ``last_token`` is the id to feed to the next decode step. A set ``cancel``
+    (the reader is gone) finishes it with no chunk. Raises NonFiniteOutputError when ``logits`` are not all
+    finite. The seed is taken modulo 2**63 (as vLLM's int64 seeds are by the client).
     """
 
-    def __init__(self, model: GraftedVLM, tokenizer, prompt: Prompt, params: SamplingParams,
-                 eos_token_ids: set[int], cancel: threading.Event | None = None):
-        self.params = params
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, tokenizer, request: CompletionRequest, cancel: threading.Event | None = None):
+        self.request = request
+        self.params = SamplingParams(request.max_tokens, request.temperature, request.top_p, request.seed,
+                                     list(request.stop), request.logprobs is not None, request.logprobs or 0,
+                                     request.repetition_penalty)
+        self.stop_ids = set(request.stop_token_ids)
         self.cancel = cancel
-        self.generator = torch.Generator(device="cpu").manual_seed(int(params.seed)) if params.seed is not None \
+        seed = request.seed
+        self.generator = torch.Generator(device="cpu").manual_seed(int(seed) % SEED_LIMIT) if seed is not None \
             else None
-        # With images, the placeholder ids are never sampled (they would be refused in the next turn).
-        self.suppress = model.image_token_ids.all() if prompt.pixel_values is not None else ()
-        self.streamer = TextStreamer(tokenizer, params.stop)
+        self.suppress = tuple(request.banned_token_ids)
+        self.streamer = TextStreamer(tokenizer, request.stop, request.skip_special_tokens)
         self.n = 0
         self.finished = False
         self.last_token: int | None = None
-        # Ids the repetition penalty sees (prompt + answer), kept only when it is on.
-        self.seen: list[int] = prompt.input_ids[0].tolist() if params.repetition_penalty != 1.0 else []
+        # Ids the repetition penalty sees (the prompt's when it is ids, and the answer's), kept only when it is on.
+        self.seen: list[int] = [int(i) for i in request.prompt] if request.repetition_penalty != 1.0 \
+            and request.prompt_is_ids else []
 
-    def _final(self, reason: str) -> Delta:
+    def _last(self, text: str, tok: int, lp, reason: str) -> list[CompletionChunk]:
         self.finished = True
-        return Delta(self.streamer.flush(), None, reason, self.n, time.perf_counter())
+        return [CompletionChunk(text, [tok], lp, reason), CompletionChunk("", [], None, None, self.n)]
 
-    def step(self, logits: torch.Tensor) -> Delta:
+    def step(self, logits: torch.Tensor) -> list[CompletionChunk]:
         """Consume one step's logits; see the class docstring."""
         if self.cancel is not None and self.cancel.is_set():
-            return self._final("cancelled")
-        if self.n >= self.params.max_new_tokens:
-            return self._final("length")
+            self.finished = True
+            return []
         if not torch.isfinite(logits).all():
             raise NonFiniteOutputError(f"the model produced non-finite logits at completion token {self.n + 1}")
+        p = self.params
         scores = logits
-        if self.params.repetition_penalty != 1.0:
-            scores = apply_repetition_penalty(logits, torch.tensor(self.seen, dtype=torch.long),
-                                              self.params.repetition_penalty)
-        tok = sample_next(scores, self.params, self.generator, self.suppress)
-        if self.params.repetition_penalty != 1.0:
+        if p.repetition_penalty != 1.0:
+            scores = apply_repetition_penalty(logits, torch.tensor(self.seen, dtype=torch.long), p.repetition_penalty)
+        tok = sample_next(scores, p, self.generator, self.suppress)
+        if p.repetition_penalty != 1.0:
             self.seen.append(tok)
         self.n += 1
-        if tok in self.eos_token_ids:
-            return self._final("stop")
-        lp, top = token_logprobs(logits, tok, self.params.top_logprobs) if self.params.logprobs else (None, None)
-        delta = self.streamer.push(tok)
         self.last_token = tok
+        lp = None
+        if p.logprobs:
+            v, top = token_logprobs(logits, tok, p.top_logprobs)
+            lp = [TokenLogprob(tok, v, top)]
+        if tok in self.stop_ids:
+            return self._last(self.streamer.flush(), tok, lp, "stop")
+        delta = self.streamer.push(tok)
         if self.streamer.stopped:
-            self.finished = True
-            return Delta(delta, tok, "stop", self.n, time.perf_counter(), lp, top)
-        return Delta(delta, tok, None, self.n, time.perf_counter(), lp, top)
+            return self._last(delta, tok, lp, "stop")
+        if self.n >= p.max_new_tokens:
+            return self._last(delta + self.streamer.flush(), tok, lp, "length")
+        return [CompletionChunk(delta, [tok], lp)]
 
 
-def prefill(model: GraftedVLM, prompt: Prompt):
-    """Run the LLM over the whole prompt (image features spliced in); returns its output (``logits``
-    ``(1, T, V)`` and the KV ``cache``). Without images the LLM gets ``input_ids`` themselves."""
-    if prompt.pixel_values is None:
-        return model.llm(input_ids=prompt.input_ids.to(model.device), use_cache=True)
-    embeds = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)
-    return model.llm(inputs_embeds=embeds, use_cache=True)
+def prefill(llm, prompt):
+    """Run the causal LM ``llm`` over a whole prompt: token ids (``list[int]``) or ``(T, H)`` input embeddings
+    (a float tensor in the LLM's dtype). Returns its output (``logits`` ``(1, T, V)`` and the KV ``cache``)."""
+    device = llm.get_input_embeddings().weight.device
+    if isinstance(prompt, (list, tuple)):
+        return llm(input_ids=torch.tensor([list(prompt)], dtype=torch.long, device=device), use_cache=True)
+    return llm(inputs_embeds=prompt[None].to(device), use_cache=True)
 
 
 @torch.inference_mode()
-def generate_stream(model: GraftedVLM, tokenizer, prompt: Prompt, params: SamplingParams,
-                    eos_token_ids: set[int], cancel: threading.Event | None = None) -> Iterator[Delta]:
-    """Prefill the prompt, then decode token by token with the KV cache, yielding :class:`Delta` events.
-
-    With images in the prompt the image placeholder ids are suppressed so the model cannot emit them. The
-    stream ends with a Delta whose ``finish_reason`` is ``stop`` (EOS or stop string), ``length``
-    (``max_new_tokens``) or ``cancelled`` (``cancel`` set; checked before every decode step).
-    Raises NonFiniteOutputError when the logits of a step are not all finite.
-    """
-    state = SequenceState(model, tokenizer, prompt, params, eos_token_ids, cancel)
-    out = prefill(model, prompt)
+def generate_stream(llm, tokenizer, request: CompletionRequest,
+                    cancel: threading.Event | None = None) -> Iterator[CompletionChunk]:
+    """Prefill ``request.prompt``, then decode token by token with the KV cache, yielding the chunks of
+    :class:`SequenceState` (the last one the usage chunk; nothing more once ``cancel`` is set, checked before
+    every decode step). One sequence, no batching (:mod:`grafting.batching` decodes several together).
+    Raises NonFiniteOutputError when the logits of a step are not all finite."""
+    state = SequenceState(tokenizer, request, cancel)
+    out = prefill(llm, request.prompt)
     cache, logits = out.cache, out.logits[0, -1]
+    device = llm.get_input_embeddings().weight.device
     while True:
-        d = state.step(logits)
-        yield d
+        yield from state.step(logits)
         if state.finished:
             return
-        out = model.llm(input_ids=torch.tensor([[state.last_token]], device=model.device), cache=cache,
-                        use_cache=True)
+        out = llm(input_ids=torch.tensor([[state.last_token]], device=device), cache=cache, use_cache=True)
         cache, logits = out.cache, out.logits[0, -1]

@@ -20,7 +20,7 @@ from PIL import Image
 from transformers.utils.chat_template_utils import encode_marked_chat, mark_control_tokens
 
 from core.media import ImageInputError, load_image_url
-from core.validate import InputError
+from core.validate import InputError, check_messages
 
 from .model import ImageTokenIds
 
@@ -117,8 +117,7 @@ class GraftProcessor:
         Text parts of one message are joined with newlines; each image part becomes one image-token marker
         that :meth:`__call__` expands into the full span.
         """
-        if not isinstance(messages, list) or not messages:
-            raise PromptError("messages must be a non-empty list", "messages", "empty_messages")
+        check_messages(messages, PromptError)
         conv, images = [], []
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict):

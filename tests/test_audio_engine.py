@@ -18,6 +18,7 @@ from audio.engine import Cancelled, NoAudioError, SpeechAudio, SpeechDone, TTSEn
 from audio.formats import SpeedResampler, encode, to_pcm16, wav_header
 from audio.generate import candidate_probs, find_loop, generate_frames, make_processors
 from audio.layout import FrameParser, TokenLayout, frames_to_snac_codes, parse_frames
+from audio.local_client import TransformersSpeechClient
 from audio.snac_stream import (FRAME_SAMPLES, BatchedSnacDecoder, StreamingDecoder, decode_batch, decode_frames,
                                 load_snac, rowwise_transposed_convs)
 from audio.text import SentenceBuffer, clean_sentence, split_sentences
@@ -102,7 +103,7 @@ def test_constrained_sampling_stays_aligned(engine):
     cfg = engine.cfg
     prompt = engine.prompt("tara", "Hello there.")
     frames = list(generate_frames(engine.lm, engine.layout, prompt, cfg.sampling.model_copy(update={"temperature": 1.5}),
-                                  cfg.loop_guard, 20, torch.Generator().manual_seed(3)))
+                                  cfg.loop_guard, 20, 3))
     assert len(frames) == 20 and all(len(f) == 7 and all(0 <= c < 4096 for c in f) for f in frames)
 
 
@@ -189,18 +190,18 @@ class LoopingLM(torch.nn.Module):
 @pytest.fixture(scope="module")
 def looping_engine(engine):
     cfg = engine.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
-    lm = LoopingLM(engine.layout, engine.tokenizer, engine.lm.config.vocab_size)
-    return TTSEngine(cfg, lm, engine.tokenizer, engine.snac)
+    lm = LoopingLM(engine.layout, engine.tokenizer, engine.client.model.config.vocab_size)
+    return TTSEngine(cfg, TransformersSpeechClient(lm, engine.layout), engine.tokenizer, engine.snac)
 
 
 def test_loop_guard_retries_once_then_cuts_short(looping_engine):
-    calls0 = looping_engine.lm.calls
+    calls0 = looping_engine.client.model.calls
     events = list(looping_engine.synthesize("First one is fine. This loop never ends. The third is fine too.", seed=0))
     # Work done, counted in forward passes (not seconds): a fine sentence is 1 prefill + 42 decode steps (6 frames of
     # 7 codes, then end_of_speech) = 43; each attempt at the looping one stops once the guard's 8-frame window is
     # full, 1 prefill + 55 steps = 56, tried twice (max_retries=1). Without the guard it would run to
     # max_frames=40 (281 passes an attempt).
-    assert looping_engine.lm.calls - calls0 == 2 * 43 + 2 * 56
+    assert looping_engine.client.model.calls - calls0 == 2 * 43 + 2 * 56
     done = events[-1]
     assert isinstance(done, SpeechDone)
     per = {}
@@ -212,6 +213,30 @@ def test_loop_guard_retries_once_then_cuts_short(looping_engine):
     g = LoopGuardConfig()
     loop = [(1,) * 7] * 3 + [(2,) * 7, (3,) * 7] * 4
     assert find_loop(loop, g.window_frames, g.max_period_frames) == 3
+
+
+class SeedRecordingClient(TransformersSpeechClient):
+    """The in-process client, recording the seed of every request (one per attempt)."""
+
+    def __init__(self, model, layout):
+        super().__init__(model, layout)
+        self.seeds = []
+
+    def stream(self, request):
+        self.seeds.append(request.seed)
+        return super().stream(request)
+
+
+def test_each_attempt_is_seeded_seed_plus_retry_and_negative_seeds_wrap(looping_engine):
+    """Every attempt at a sentence is one request seeded ``(seed + retries) % 2**63`` (what vLLM gets too, by
+    ``core.vllm_client.request_body``): a retry resamples, and a negative seed is a valid generator seed."""
+    e = looping_engine
+    client = SeedRecordingClient(e.client.model, e.layout)
+    lm = TTSEngine(e.cfg, client, e.tokenizer, e.snac).lm
+    frames = list(generate_frames(lm, e.layout, e.prompt("tara", "This loops."), e.cfg.sampling, e.cfg.loop_guard,
+                                  40, -5))
+    assert frames == [] and client.seeds == [2**63 - 5, 2**63 - 4]
+    lm.close()
 
 
 # --- a 200 always carries audio (issue 10, defect 5) ---------------------------------------------------------
@@ -239,8 +264,8 @@ class EndingLM(LoopingLM):
 def test_model_that_always_ends_still_speaks_one_frame_per_sentence(engine):
     """A model that wants to stop at once cannot make an empty sentence: its first frame is sampled from the
     audio ids alone, then it stops at the first frame boundary (exactly 1 frame, 2048 samples, per sentence)."""
-    lm = EndingLM(engine.layout, engine.tokenizer, engine.lm.config.vocab_size)
-    e = TTSEngine(engine.cfg, lm, engine.tokenizer, engine.snac)
+    lm = EndingLM(engine.layout, engine.tokenizer, engine.client.model.config.vocab_size)
+    e = TTSEngine(engine.cfg, TransformersSpeechClient(lm, engine.layout), engine.tokenizer, engine.snac)
     ev = list(e.synthesize("Chapter One. The Last Lighthouse", seed=9))
     per = {}
     for x in ev[:-1]:
@@ -292,7 +317,7 @@ def test_text_a_non_special_added_token_would_read_is_refused(engine, model_dir)
 
     tok = AutoTokenizer.from_pretrained(model_dir / "tts" / "lm")
     assert tok.add_tokens(["[[speech]]"]) == 1 and not tok.added_tokens_decoder[len(tok) - 1].special
-    e = TTSEngine(engine.cfg, engine.lm, tok, engine.snac)
+    e = TTSEngine(engine.cfg, engine.client, tok, engine.snac)
     for call in (lambda: e.speak(["Fine. ", "Say [[speech]] now."]), lambda: e.synthesize("Say [[speech]] now.")):
         with pytest.raises(SpeechInputError) as err:
             call()  # raised by the call itself, before iterating: nothing was generated
@@ -310,7 +335,7 @@ def test_loop_guard_quiet_on_ordinary_output(engine):
     for seed in range(2):
         frames = [tuple(f) for f in generate_frames(engine.lm, engine.layout, engine.prompt("leo", "Okay."),
                                                       cfg.sampling, cfg.loop_guard.model_copy(update={"enabled": False}),
-                                                      32, torch.Generator().manual_seed(seed))]
+                                                      32, seed)]
         assert all(find_loop(frames[: i + 1], cfg.loop_guard.window_frames, cfg.loop_guard.max_period_frames) is None
                    for i in range(len(frames)))
 
@@ -385,7 +410,7 @@ def test_prepare_is_idempotent_and_loadable(profile, model_dir, tmp_path):
     assert prepare(cfg, tmp_path) is True
     assert prepare(cfg, tmp_path) is False
     e = TTSEngine.from_config(cfg, tmp_path)
-    assert e.lm.config.vocab_size == 49162 + 7 * 4096 and e.lm.config.vocab_size > len(e.tokenizer)
+    assert e.client.model.config.vocab_size == 49162 + 7 * 4096 and e.client.model.config.vocab_size > len(e.tokenizer)
     assert sum(p.numel() for p in e.snac.parameters()) == 19_842_914  # the real 24 kHz architecture
     assert prepare(cfg.model_copy(update={"build": None}), tmp_path / "real") is False  # real checkpoints: nothing
 
@@ -493,7 +518,7 @@ def shared_engine(engine):
     a sentence's first audio comes at its 5th frame, not its 11th (the guard holds its window back), and a
     stream can be stopped mid-way in a short sentence."""
     cfg = engine.cfg.model_copy(update={"loop_guard": LoopGuardConfig(window_frames=2, max_period_frames=1)})
-    return TTSEngine(cfg, engine.lm, engine.tokenizer, engine.snac)
+    return TTSEngine(cfg, engine.client, engine.tokenizer, engine.snac)
 
 
 @pytest.fixture(scope="module")
@@ -501,7 +526,7 @@ def alone_audio(shared_engine):
     """Each test stream synthesized by itself, decoding in its own thread (``snac_batch_frames: 0``): voice,
     seed -> float32 audio."""
     eng = shared_engine
-    solo = TTSEngine(eng.cfg.model_copy(update={"snac_batch_frames": 0}), eng.lm, eng.tokenizer, eng.snac)
+    solo = TTSEngine(eng.cfg.model_copy(update={"snac_batch_frames": 0}), eng.client, eng.tokenizer, eng.snac)
     assert solo.snac_decoder is None and eng.snac_decoder is not None
     return {(v, s): np.concatenate([e.audio for e in solo.synthesize(STREAM_TEXT, voice=v, seed=s)
                                     if isinstance(e, SpeechAudio)])

@@ -191,16 +191,21 @@ def test_client_reads_vllm_logprobs_by_token_id_most_likely_first():
 
 
 def test_completion_request_body():
-    from grafting.vllm_backend import CompletionRequest
+    import torch
 
-    body = CompletionRequest(model="m", max_tokens=3, prompt=[1, 2]).body()
+    from core.llm_client import CompletionRequest
+    from core.vllm_client import request_body
+
+    body = request_body(CompletionRequest(prompt=[1, 2], max_tokens=3), model="m")
     assert body["prompt"] == [1, 2] and "prompt_embeds" not in body and "seed" not in body
-    assert body["stream"] and body["return_token_ids"] and body["return_tokens_as_token_ids"]
-    assert body["stream_options"] == {"include_usage": True}
-    with pytest.raises(ValueError, match="exactly one"):
-        CompletionRequest(model="m", max_tokens=3, prompt=[1], prompt_embeds="AAAA").body()
-    with pytest.raises(ValueError, match="exactly one"):
-        CompletionRequest(model="m", max_tokens=3).body()
+    assert body["model"] == "m" and body["stream"] and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert body["stream_options"] == {"include_usage": True} and "logit_bias" not in body
+    body = request_body(CompletionRequest(prompt=torch.zeros(3, 4), max_tokens=3, seed=-1, banned_token_ids=[7],
+                                          extra_args={"x": [1]}))
+    assert "prompt" not in body and body["prompt_embeds"] and body["seed"] == 2**63 - 1
+    assert body["logit_bias"] == {"7": -100.0} and body["vllm_xargs"] == {"x": [1]}
+    with pytest.raises(ValueError, match="token ids or a"):
+        request_body(CompletionRequest(prompt=torch.zeros(3), max_tokens=3))
 
 
 def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec, tmp_path):

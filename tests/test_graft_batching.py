@@ -15,6 +15,7 @@ import pytest
 
 from grafting.batching import BatcherClosed, ContinuousBatcher
 from grafting.engine import VLMEngine
+from grafting.llm_stream import completion_request
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = [{"role": "user", "content": "Count from one to one hundred in words."}]
@@ -23,6 +24,12 @@ LONG = [{"role": "user", "content": "Count from one to one hundred in words."}]
 @pytest.fixture(scope="module")
 def engine(profile, model_dir) -> VLMEngine:
     return VLMEngine.from_config(profile.vlm.engine, model_dir)
+
+
+def _request(engine, messages, **sampling):
+    """The client request of ``messages`` (what ``VLMEngine.stream`` sends the batcher)."""
+    return completion_request(engine.model, engine.prepare(messages), engine.sampling_params(**sampling),
+                              engine.eos_token_ids)
 
 
 def _recorder(items: list, on_first_delta=None):
@@ -38,11 +45,11 @@ def test_close_mid_decode_fails_running_and_queued_requests_once(engine):
     """close() called while a request is being decoded (from its first token's callback, so the timing is fixed):
     the running request and the one still queued behind it (max_batch_size 1) each get exactly one BatcherClosed
     as their last item, the thread is gone once close() returns, submit() then raises, and close() is idempotent."""
-    batcher = ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_token_ids, max_batch_size=1)
-    params = engine.sampling_params(max_tokens=64, temperature=0)
+    batcher = ContinuousBatcher(engine.model.llm, engine.tokenizer, max_batch_size=1)
+    req = _request(engine, LONG, max_tokens=64, temperature=0)
     running, queued = [], []
-    batcher.submit(engine.prepare(LONG), params, None, _recorder(running, on_first_delta=batcher.close))
-    batcher.submit(engine.prepare(LONG), params, None, _recorder(queued))
+    batcher.submit(req, None, _recorder(running, on_first_delta=batcher.close))
+    batcher.submit(req, None, _recorder(queued))
     batcher._thread.join(300)  # close() from the callback does not join its own thread; this waits for the end
     batcher.close()  # from the main thread: joins (already stopped), and a second close is harmless
     assert not batcher._thread.is_alive()
@@ -50,23 +57,23 @@ def test_close_mid_decode_fails_running_and_queued_requests_once(engine):
     assert len(queued) == 1 and isinstance(queued[0], BatcherClosed)
     assert batcher.active == 0
     with pytest.raises(BatcherClosed):
-        batcher.submit(engine.prepare(LONG), params, None, _recorder([]))
+        batcher.submit(req, None, _recorder([]))
 
 
 def test_engine_close_stops_its_batcher_and_a_new_one_serves(engine):
-    """VLMEngine.close() joins the batcher it started; the next batcher() is a fresh one that answers."""
-    first = engine.batcher()
+    """VLMEngine.close() joins the batcher its client started; the next request starts a fresh one that answers."""
+    first = engine.client.batcher()
     engine.close()
     assert not first._thread.is_alive()
     engine.close()  # idempotent
-    second = engine.batcher()
+    second = engine.client.batcher()
     assert second is not first
     items, done = [], threading.Event()
-    second.submit(engine.prepare(LONG), engine.sampling_params(max_tokens=3, temperature=0), None,
-                  lambda d: (items.append(d), d.finish_reason and done.set()))
+    second.submit(_request(engine, LONG, max_tokens=3, temperature=0), None,
+                  lambda d: (items.append(d), d.completion_tokens is not None and done.set()))
     assert done.wait(300)
     assert not any(isinstance(d, Exception) for d in items)
-    assert items[-1].completion_tokens == 3 and items[-1].finish_reason == "length"
+    assert items[-1].completion_tokens == 3 and items[-2].finish_reason == "length"
     engine.close()
     assert not second._thread.is_alive()
 
@@ -77,14 +84,15 @@ def test_process_closing_batcher_mid_decode_exits_0():
     script = textwrap.dedent("""
         import threading
         from grafting.engine import VLMEngine
+        from grafting.llm_stream import completion_request
         from services.config.profiles import load_profile
         prof = load_profile("cpu")
         engine = VLMEngine.from_config(prof.vlm.engine, prof.resolved_model_dir())
         first = threading.Event()
         for n in range(2):
-            engine.batcher().submit(engine.prepare([{"role": "user", "content": f"Count to {100 + n}."}]),
-                                    engine.sampling_params(max_tokens=200, temperature=0), None,
-                                    lambda d: first.set())
+            req = completion_request(engine.model, engine.prepare([{"role": "user", "content": f"Count to {100 + n}."}]),
+                                     engine.sampling_params(max_tokens=200, temperature=0), engine.eos_token_ids)
+            engine.client.batcher().submit(req, None, lambda d: first.set())
         assert first.wait(300)
         engine.close()
         print("closed")

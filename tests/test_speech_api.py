@@ -566,6 +566,7 @@ def looping_app(profile, model_dir):
     from services.deployments.speech import Deployment
     from tests.test_audio_engine import LoopingLM
     from audio.engine import TTSEngine
+    from audio.local_client import TransformersSpeechClient
 
     before = torch.get_num_threads()
     section = profile.tts.model_dump(mode="json")
@@ -573,7 +574,8 @@ def looping_app(profile, model_dir):
     dep = Deployment(section, str(model_dir))  # sets 1 torch thread, as in Ray
     e = dep.engine
     cfg = e.cfg.model_copy(update={"min_frames": 40, "max_frames": 40})
-    dep.engine = TTSEngine(cfg, LoopingLM(e.layout, e.tokenizer, e.lm.config.vocab_size), e.tokenizer, e.snac)
+    lm = LoopingLM(e.layout, e.tokenizer, e.client.model.config.vocab_size)
+    dep.engine = TTSEngine(cfg, TransformersSpeechClient(lm, e.layout), e.tokenizer, e.snac)
     yield build_app(profile.model_copy(update={"vlm": None, "video": None}), {"tts": LocalBackend(dep)}), dep
     torch.set_num_threads(before)
 

@@ -25,13 +25,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from audio.config import SamplingConfig
 from audio.engine import Cancelled, SpeechAudio, SpeechDone, TTSEngine
 from audio.generate import SentenceReport, generate_frames
 from audio.layout import parse_frames
-from audio.vllm_backend import VLLMSpeechLM
+from audio.lm_stream import SpeechLM, frame_request
+from core.vllm_client import request_body
 from services.engines.vllm_server import start_vllm_for
 
 CEILING_S = 120.0  # a hang guard for polls of vLLM's metrics, far above any real wait
@@ -45,7 +45,7 @@ def engines(profile, model_dir):
     try:
         assert client.wait_ready(600), client.server.log_tail()
         ref = TTSEngine.from_config(cfg.model_copy(update={"backend": "transformers"}), model_dir)
-        vllm = TTSEngine(cfg, VLLMSpeechLM(client), ref.tokenizer, ref.snac)
+        vllm = TTSEngine(cfg, client, ref.tokenizer, ref.snac)
         yield {"vllm": vllm, "transformers": ref}
         vllm.close()
     finally:
@@ -54,7 +54,7 @@ def engines(profile, model_dir):
 
 def metrics(engine) -> dict[str, float]:
     """vLLM's request count ``held`` (running + waiting now, from its ``/metrics``)."""
-    text = httpx.get(f"{engine.lm.client.base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{engine.client.base_url}/metrics", timeout=10).text
     out = {"held": 0.0}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -73,7 +73,7 @@ def wait_held_zero(engine) -> None:
 def tokens_of(engine, body: dict) -> tuple[list[int], str | None]:
     async def go():
         ids, finish = [], None
-        async for c in engine.lm.client.stream(body):
+        async for c in engine.client.stream_body(body):
             ids += c.token_ids
             finish = c.finish_reason or finish
         return ids, finish
@@ -87,7 +87,7 @@ def test_constraint_holds_inside_vllm_against_biased_logits(engines):
     wrong = [lay.audio_id(3, 0), lay.audio_id(5, 9), lay.end_of_speech, 42]
     bias = {str(i): 100 for i in wrong}
     greedy = SamplingConfig(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
-    body = e.lm.body(prompt, len(prompt), greedy, lay, seed=0, max_tokens=21) | {"logit_bias": bias}
+    body = request_body(frame_request(prompt, len(prompt), greedy, lay, seed=0, max_tokens=21)) | {"logit_bias": bias}
     ids, finish = tokens_of(e, body)
     # positions 3 and 5 take their biased id (allowed there), the others their argmax; end_of_speech (biased) ends
     # the sentence at the first boundary it is allowed at: after one whole frame
@@ -108,7 +108,7 @@ def test_greedy_vllm_equals_the_transformers_reference(engines, text):
     greedy = {"sampling": SamplingConfig(temperature=0.0, top_p=1.0, repetition_penalty=1.1)}
     out = {}
     for name, e in engines.items():
-        g = TTSEngine(e.cfg.model_copy(update=greedy), e.lm, e.tokenizer, e.snac)
+        g = TTSEngine(e.cfg.model_copy(update=greedy), e.client, e.tokenizer, e.snac)
         events = list(g.synthesize(text, seed=0))
         out[name] = (np.concatenate([ev.audio for ev in events if isinstance(ev, SpeechAudio)]), events[-1].usage)
     (a, ua), (b, ub) = out["vllm"], out["transformers"]
@@ -116,32 +116,34 @@ def test_greedy_vllm_equals_the_transformers_reference(engines, text):
     assert np.array_equal(a, b)  # the same frames through the same SNAC decode: bit-identical audio
 
 
-class LoopingVLLM(VLLMSpeechLM):
-    """Scripted stand-in through vLLM: ``logit_bias`` +100 on one code per frame position, so every frame is the
-    same whatever the repetition penalty (100 / 1.4 still dominates the random model's logits). Counts attempts."""
+class LoopingVLLM:
+    """Scripted stand-in through vLLM: the real client, its bodies with ``logit_bias`` +100 on one code per frame
+    position, so every frame is the same whatever the repetition penalty (100 / 1.4 still dominates the random
+    model's logits). Records each attempt's (repetition penalty, seed)."""
 
     def __init__(self, client, layout):
-        super().__init__(client)
+        self.client = client
         self.bias = {str(layout.audio_id(p, 17 * p + 1)): 100 for p in range(layout.positions)}
         self.attempts = []
 
-    def body(self, *args, **kwargs):
-        b = super().body(*args, **kwargs) | {"logit_bias": self.bias}
-        self.attempts.append(b["repetition_penalty"])
-        return b
+    def stream(self, request):
+        body = request_body(request) | {"logit_bias": self.bias}
+        self.attempts.append((body["repetition_penalty"], body["seed"]))
+        return self.client.stream_body(body)
 
 
 def test_loop_guard_closes_and_resubmits_on_vllm(engines):
     e = engines["vllm"]
-    lm = LoopingVLLM(e.lm.client, e.layout)
+    looping = LoopingVLLM(e.client, e.layout)
+    lm = SpeechLM(looping)
     report = SentenceReport()
     prompt = e.prompt("tara", "This loops.")
-    frames = list(generate_frames(lm, e.layout, prompt, e.cfg.sampling, e.cfg.loop_guard, 64,
-                                  torch.Generator().manual_seed(0), None, report))
+    frames = list(generate_frames(lm, e.layout, prompt, e.cfg.sampling, e.cfg.loop_guard, 64, 0, None, report))
     # the 8-frame window fills with one repeated frame: the loop starts at frame 0, so nothing is kept; one retry
-    # with penalty 1.1 + 0.3, then cut short (max_retries 1)
+    # with penalty 1.1 + 0.3 and seed 0 + 1, then cut short (max_retries 1)
     assert frames == [] and report.retries == 1 and report.cut_short and report.loops == [0, 0]
-    assert lm.attempts == pytest.approx([1.1, 1.4])
+    assert [p for p, _ in looping.attempts] == pytest.approx([1.1, 1.4])
+    assert [s for _, s in looping.attempts] == [0, 1]
     lm.close()
     wait_held_zero(e)
 

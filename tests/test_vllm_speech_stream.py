@@ -1,5 +1,5 @@
-"""``audio.vllm_backend.VLLMSpeechLM.stream_tokens`` without vLLM: its private event loop finishes what the client's
-stream leaves behind. The engine client (``core.vllm_client.VLLMClient.stream``) returns from inside
+"""``audio.lm_stream.SpeechLM.stream_tokens`` without vLLM: its event loop (``core.loop_thread.LoopThread``) finishes
+what the client's stream leaves behind. The engine client (``core.vllm_client.VLLMClient.stream``) returns from inside
 ``async for line in response.aiter_lines()``, leaving httpx's line iterator to Python's async-generator finalizer,
 which schedules its ``aclose()`` on the loop; closing the loop without running it destroyed that task ("Task was
 destroyed but it is pending!": 54 times in one ``bench/tts_concurrency.py`` run, where a sentence's stream was
@@ -18,13 +18,13 @@ import pytest
 from audio.config import SamplingConfig, TokenLayoutConfig
 from audio.layout import TokenLayout
 from audio.generate import Cancelled
-from audio.vllm_backend import VLLMSpeechLM
+from audio.lm_stream import LOOP_THREAD_NAME, SpeechLM
 
 LAYOUT = TokenLayout(TokenLayoutConfig())
 
 
 class ScriptedClient:
-    """``stream(body)`` yields 3 chunks of one audio frame's ids each, read from an inner line iterator that it
+    """``stream(request)`` yields 3 chunks of one audio frame's ids each, read from an inner line iterator that it
     leaves suspended when it returns (as ``VLLMClient.stream`` does at ``[DONE]``). ``closed``: inner iterators whose
     ``finally`` ran."""
 
@@ -42,7 +42,7 @@ class ScriptedClient:
         finally:
             self.closed += 1
 
-    async def stream(self, body):
+    async def stream(self, request):
         async for line in self._lines():
             if line == "[DONE]":
                 return
@@ -51,7 +51,7 @@ class ScriptedClient:
 
 def test_stream_tokens_runs_the_streams_finalizers():
     client = ScriptedClient()
-    lm = VLLMSpeechLM(client)
+    lm = SpeechLM(client)
     s = SamplingConfig()
     prompt = [1, 2, 3]
     got = list(lm.stream_tokens(prompt, len(prompt), s, LAYOUT, 0, 21))
@@ -70,23 +70,23 @@ class LoopRecordingClient(ScriptedClient):
         super().__init__()
         self.loops = []
 
-    async def stream(self, body):
+    async def stream(self, request):
         self.loops.append(asyncio.get_running_loop())
-        async for chunk in super().stream(body):
+        async for chunk in super().stream(request):
             yield chunk
 
 
 def _loop_threads() -> set[threading.Thread]:
-    """The VLLMSpeechLM loop threads alive now."""
-    return {t for t in threading.enumerate() if t.name == "tts-vllm-loop"}
+    """The SpeechLM loop threads alive now."""
+    return {t for t in threading.enumerate() if t.name == LOOP_THREAD_NAME}
 
 
 def test_attempts_share_one_loop_that_close_ends():
     """Issue 24 (7): every attempt (read to the end, closed mid-stream, cancelled) streams on the one event loop of
-    the VLLMSpeechLM, not on a new loop each; ``close()`` ends its thread and closes the loop; a later attempt
+    the SpeechLM, not on a new loop each; ``close()`` ends its thread and closes the loop; a later attempt
     starts a new one. (Each attempt once made, ran and closed an event loop of its own.)"""
     client = LoopRecordingClient()
-    lm = VLLMSpeechLM(client)
+    lm = SpeechLM(client)
     s = SamplingConfig()
     others = _loop_threads()
     assert len(list(lm.stream_tokens([1], 1, s, LAYOUT, 0, 21))) == 21
@@ -118,7 +118,7 @@ def test_close_leaves_no_socket_to_the_engine():
     others = _loop_threads()
     with StandInServer() as server:
         port = int(server.base_url.rsplit(":", 1)[1])
-        lm = VLLMSpeechLM(VLLMClient(SimpleNamespace(base_url=server.base_url, state="ready")))
+        lm = SpeechLM(VLLMClient(SimpleNamespace(base_url=server.base_url, state="ready")))
         s = SamplingConfig()
         for n in (7, 21):
             assert len(list(lm.stream_tokens([1], 1, s, LAYOUT, 0, n))) == n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -24,7 +25,25 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine(profile, model_dir) -> VLMEngine:
-    return VLMEngine.from_config(profile.vlm.engine, model_dir)
+    eng = VLMEngine.from_config(profile.vlm.engine, model_dir)
+    yield eng
+    eng.close()
+
+
+def stream_all(engine, prompt, params, limit=None) -> list:
+    """The Delta events of ``engine.stream`` (at most ``limit``: then the stream is closed early)."""
+    async def go():
+        out = []
+        stream = engine.stream(prompt, params)
+        try:
+            async for d in stream:
+                out.append(d)
+                if limit is not None and len(out) >= limit:
+                    break
+        finally:
+            await stream.aclose()
+        return out
+    return asyncio.run(go())
 
 
 @pytest.fixture(scope="module")
@@ -109,19 +128,19 @@ def test_image_placeholders_are_never_generated(engine, astronaut):
     msgs = [{"role": "user", "content": [{"type": "image", "image": astronaut}, {"type": "text", "text": "Hi"}]}]
     p = engine.prepare(msgs)
     params = engine.sampling_params(max_tokens=16, temperature=1.5, seed=0)
-    ids = [d.token_id for d in engine.generate(p, params) if d.token_id is not None]
+    ids = [d.token_id for d in stream_all(engine, p, params) if d.token_id is not None]
     assert not set(ids) & set(engine.processor.image_token_ids.all())
 
 
-def test_cancel_stops_generation(engine):
+def test_closing_the_stream_stops_generation(engine):
+    """A reader gone after 3 tokens: the batcher drops the row before its next step (no request left decoding)."""
     p = engine.prepare(QUESTIONS[0])
-    cancel = threading.Event()
-    events = []
-    for d in engine.generate(p, engine.sampling_params(max_tokens=200, temperature=1.0, seed=1), cancel):
-        events.append(d)
-        if len(events) == 3:
-            cancel.set()
-    assert events[-1].finish_reason == "cancelled" and len(events) == 4
+    events = stream_all(engine, p, engine.sampling_params(max_tokens=200, temperature=1.0, seed=1), limit=3)
+    assert len(events) == 3 and all(d.finish_reason is None for d in events)
+    deadline = time.monotonic() + 120  # a ceiling against a hang, not a speed requirement
+    while asyncio.run(engine.stats())["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert asyncio.run(engine.stats())["active"] == 0
 
 
 @pytest.mark.parametrize("messages,code", [
@@ -193,22 +212,30 @@ def test_non_finite_logits_fail_clearly(engine):
     h = engine.model.llm.lm_head.register_forward_hook(nan_on_decode)
     try:
         p = engine.prepare(QUESTIONS[0])
-        it = engine.generate(p, engine.sampling_params(max_tokens=8, temperature=0))
-        first = next(it)
-        assert first.token_id is not None
+        seen = []
+
+        async def go():
+            async for d in engine.stream(p, engine.sampling_params(max_tokens=8, temperature=0)):
+                seen.append(d)
+
         with pytest.raises(NonFiniteOutputError, match="non-finite"):
-            next(it)
+            asyncio.run(go())
+        assert len(seen) == 1 and seen[0].token_id is not None  # the prefill's token, then the failing step
     finally:
         h.remove()
     assert engine.complete(QUESTIONS[0], max_tokens=4, temperature=0).completion_tokens == 4
 
 
 def _run_batched(engine, batcher, convs, max_tokens=16, cancel_after=None):
-    """Submit all conversations at once; returns (texts, finish reasons)."""
+    """Submit all conversations at once; returns (texts, finish reasons); a row cancelled after
+    ``cancel_after[i]`` tokens gets no more chunks (its reason: ``cancelled``)."""
+    from grafting.llm_stream import completion_request
+
     texts = [[] for _ in convs]
     reasons = [None] * len(convs)
     done = [threading.Event() for _ in convs]
     cancels = [threading.Event() for _ in convs]
+    counts = [0] * len(convs)
 
     def emitter(i):
         def emit(item):
@@ -217,16 +244,21 @@ def _run_batched(engine, batcher, convs, max_tokens=16, cancel_after=None):
                 done[i].set()
                 return
             texts[i].append(item.text)
-            if cancel_after and i in cancel_after and item.completion_tokens >= cancel_after[i]:
+            counts[i] += len(item.token_ids)
+            if cancel_after and i in cancel_after and counts[i] >= cancel_after[i]:
                 cancels[i].set()
+                reasons[i] = "cancelled"
+                done[i].set()
             if item.finish_reason:
                 reasons[i] = item.finish_reason
                 done[i].set()
         return emit
 
     for i, c in enumerate(convs):
-        batcher.submit(engine.prepare(c), engine.sampling_params(max_tokens=max_tokens, temperature=0), cancels[i],
-                       emitter(i))
+        req = completion_request(engine.model, engine.prepare(c), engine.sampling_params(max_tokens=max_tokens,
+                                                                                          temperature=0),
+                                 engine.eos_token_ids)
+        batcher.submit(req, cancels[i], emitter(i))
     for d in done:
         assert d.wait(300)
     return ["".join(t) for t in texts], reasons
@@ -242,7 +274,7 @@ def test_continuous_batching_matches_one_by_one_and_keeps_requests_apart(engine,
              QUESTIONS[1],
              [{"role": "user", "content": "Hi"}]]
     one_by_one = [engine.complete(c, max_tokens=16, temperature=0).text for c in convs]
-    with ContinuousBatcher(engine.model, engine.tokenizer, engine.eos_token_ids, max_batch_size=4) as batcher:
+    with ContinuousBatcher(engine.model.llm, engine.tokenizer, max_batch_size=4) as batcher:
         texts, reasons = _run_batched(engine, batcher, convs)
         assert batcher.max_batch_seen >= 2
         assert texts == one_by_one
@@ -338,3 +370,28 @@ def test_the_vllm_backend_takes_an_injected_client_and_only_it_does(profile, mod
     with pytest.raises(ValueError, match="the vllm backend takes an llm_client"):
         VLMEngine.from_config(profile.vlm.engine, model_dir, llm_client=client)
     assert client.state == "stopped"
+
+
+def test_the_in_process_client_answers_ids_and_their_embeddings_alike(engine):
+    """``TransformersClient`` (the client protocol in this process): a prompt sent as token ids and the same
+    prompt sent as its ``(T, H)`` embedding rows give the same greedy chunks: the same token ids, the same text,
+    the usage chunk last (counting the stop token)."""
+    import dataclasses
+
+    from grafting.llm_stream import completion_request
+
+    p = engine.prepare(QUESTIONS[0])
+    req = completion_request(engine.model, p, engine.sampling_params(max_tokens=12, temperature=0),
+                             engine.eos_token_ids)
+    with torch.inference_mode():
+        embeds = engine.model.embed(p.input_ids)[0]
+    as_embeds = dataclasses.replace(req, prompt=embeds)
+
+    async def collect(r):
+        return [c async for c in engine.client.stream(r)]
+
+    by_ids, by_embeds = asyncio.run(collect(req)), asyncio.run(collect(as_embeds))
+    assert [(c.text, c.token_ids, c.finish_reason, c.completion_tokens) for c in by_ids] == \
+        [(c.text, c.token_ids, c.finish_reason, c.completion_tokens) for c in by_embeds]
+    assert by_ids[-1].completion_tokens == sum(len(c.token_ids) for c in by_ids) >= 1
+    assert by_ids[-2].finish_reason in ("stop", "length")

@@ -212,7 +212,7 @@ def test_a_logprob_token_that_is_not_an_id_is_an_engine_error(stand_in):
 
     async def main():
         with pytest.raises(EngineError):
-            async for _ in stand_in.stream({"prompt": [1], "max_tokens": 3, "stream": True, "logprobs": 1}):
+            async for _ in stand_in.stream_body({"prompt": [1], "max_tokens": 3, "stream": True, "logprobs": 1}):
                 pass
     asyncio.run(main())
 
@@ -226,17 +226,17 @@ def test_completions_share_one_pooled_connection_and_close_cleanly(stand_in):
     async def main():
         before = stats(stand_in)["connections"]
         for _ in range(5):
-            chunks = [c async for c in stand_in.stream({"prompt": [1], "max_tokens": 3, "stream": True})]
+            chunks = [c async for c in stand_in.stream_body({"prompt": [1], "max_tokens": 3, "stream": True})]
             assert [c.text for c in chunks][:3] == [" Hi", " there", "."]
         reused = stats(stand_in)["connections"] - before
         open_while_idle = open_sockets(stand_in)
         set_mode(stand_in, "hold")
-        gen = stand_in.stream({"prompt": [1], "max_tokens": 3, "stream": True})
+        gen = stand_in.stream_body({"prompt": [1], "max_tokens": 3, "stream": True})
         first = await gen.__anext__()
         await gen.aclose()
         after_abandon = open_sockets(stand_in)
         set_mode(stand_in, "ok")  # also releases the held answer's thread in the stand-in
-        [c async for c in stand_in.stream({"prompt": [1], "max_tokens": 3, "stream": True})]
+        [c async for c in stand_in.stream_body({"prompt": [1], "max_tokens": 3, "stream": True})]
         fresh = stats(stand_in)["connections"] - before - reused
         await stand_in.aclose()
         return reused, open_while_idle, first.text, after_abandon, fresh, open_sockets(stand_in)

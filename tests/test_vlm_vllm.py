@@ -421,3 +421,41 @@ def test_ngram_speculative_decoding_gives_the_same_greedy_tokens(deployments, se
         assert (got["text"], got["finish"], got["usage"]) == (ref["text"], ref["finish"], ref["usage"]), name
     assert metric("vllm:spec_decode_num_draft_tokens_total") > 0
     assert metric("vllm:spec_decode_num_accepted_tokens_total") > 0
+
+
+def test_both_clients_give_the_same_greedy_tokens_for_ids_and_for_embeddings(deployments, astronaut):
+    """The client protocol itself (``core.llm_client``), below the engine: one ``CompletionRequest`` sent to the
+    in-process ``TransformersClient`` and to vLLM's ``VLLMClient`` gives the same greedy token ids and the same
+    text, for a token-id prompt and for a ``(T, H)`` embedding prompt (an image's features spliced in, its
+    placeholder ids banned), and each stream ends with a usage chunk counting them."""
+    from core.llm_client import CompletionRequest
+    from grafting.llm_stream import completion_request
+
+    ref, vl = deployments["transformers"].engine, deployments["vllm"].engine
+    params = ref.sampling_params(max_tokens=24, temperature=0)
+    text_prompt = ref.prepare([{"role": "user", "content": "Name three colours."}])
+    image_prompt = ref.prepare([{"role": "user", "content": [image_part(astronaut),
+                                                              {"type": "text", "text": "Describe this."}]}])
+    ids_req = completion_request(ref.model, text_prompt, params, ref.eos_token_ids)
+    emb_req = completion_request(ref.model, image_prompt, params, ref.eos_token_ids)
+    assert isinstance(ids_req.prompt, list) and emb_req.prompt.ndim == 2 and emb_req.banned_token_ids
+    assert isinstance(ids_req, CompletionRequest)
+
+    async def collect(client, req):
+        ids, text, usage = [], "", None
+        async for c in client.stream(req):
+            ids += c.token_ids
+            text += c.text
+            if c.completion_tokens is not None:
+                usage = c.completion_tokens
+        return ids, text, usage
+
+    async def go():
+        return {(name, kind): await collect(e.client, req) for name, e in (("transformers", ref), ("vllm", vl))
+                for kind, req in (("ids", ids_req), ("embeds", emb_req))}
+
+    out = asyncio.run(go())
+    for kind in ("ids", "embeds"):
+        got, want = out["vllm", kind], out["transformers", kind]
+        assert want[0] and got == want, (kind, got, want)
+        assert want[2] == len(want[0])

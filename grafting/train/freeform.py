@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 
 from ..generate import SamplingParams, generate_stream
+from ..llm_stream import completion_request
 from ..model import GraftedVLM
 from ..processor import GraftProcessor
 from .data import load_image, to_messages
@@ -58,7 +59,8 @@ def generate_answer(vlm: GraftedVLM, processor: GraftProcessor, messages: list[d
     tok = processor.tokenizer
     eos = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0}
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    return "".join(d.text for d in generate_stream(vlm, tok, processor(messages), params, eos))
+    req = completion_request(vlm, processor(messages), params, eos)
+    return "".join(c.text for c in generate_stream(vlm.llm, tok, req))
 
 
 def evaluate_generated(vlm: GraftedVLM, processor: GraftProcessor, rows: list[dict], max_new_tokens: int = 12,

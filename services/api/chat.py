@@ -16,6 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from core.validate import InputError, check_max_tokens, check_messages
+
 from ..config.profiles import FamilySection, Profile
 from ..deployments.backends import Backend
 from ..deployments.routing import PAYLOAD_KEY, image_routing_keys
@@ -39,10 +41,12 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         if req.n not in (None, 1):
             raise APIError(400, "n must be 1", param="n", code="invalid_value")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
-        if not req.messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages", code="empty_messages")
+        try:  # the engine's own checks (core.validate), answered here before the replica is asked
+            check_messages(req.messages)
+            if max_tokens is not None:
+                check_max_tokens(max_tokens, section.engine.max_new_tokens)
+        except InputError as err:
+            raise APIError(400, str(err), param=err.param, code=err.code) from None
         payload = {"messages": req.messages, "max_tokens": max_tokens, "temperature": req.temperature,
                    "top_p": req.top_p, "seed": req.seed, "stop": req.stop, "logprobs": req.logprobs,
                    "top_logprobs": req.top_logprobs, "response_format": req.response_format}

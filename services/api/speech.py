@@ -1,6 +1,6 @@
 """Speech: ``POST /v1/audio/speech`` and ``WS /v1/audio/speech/stream`` (Orpheus-style streaming TTS).
 
-The router validates requests (``audio.validate``), splits text into sentences (``audio.text``), streams pcm16
+The router validates requests with the engine's own checks (``audio.validate``: one home for each), splits text into sentences (``audio.text``), streams pcm16
 events from the speech replica (:mod:`services.deployments.speech`) and shapes the responses
 (:mod:`services.api.speech_stream`): chunked audio (``"stream": false`` sends the whole file at the end, with exact
 sizes), SSE, or websocket events (:mod:`services.api.speech_session`; the socket is read concurrently with
@@ -19,9 +19,8 @@ from audio.config import TTSConfig
 from audio.formats import MEDIA_TYPES, STREAMABLE, encode
 from audio.text import split_sentences
 from audio.validate import (SPEECH_FIELDS, SpeechInputError, check_fields, check_format, check_speakable,
-                            check_speed, check_text, check_voice)
+                            check_speech, check_text)
 from core.constants import SAMPLE_RATE
-from core.validate import check_seed
 
 from ..config.profiles import FamilySection, Profile
 from ..deployments.backends import Backend
@@ -48,10 +47,8 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
             check_fields(body, SPEECH_FIELDS)
             model_id = check_model(profile, "tts", body.get("model"))
             text = check_text(cfg, body.get("input"))
-            voice = check_voice(cfg, body.get("voice"))
-            speed = check_speed(cfg, body.get("speed"))
+            voice, speed, seed = check_speech(cfg, body.get("voice"), body.get("speed"), body.get("seed"))
             fmt, stream_format = check_format(body.get("response_format"), body.get("stream_format"))
-            seed = check_seed(body.get("seed"), SpeechInputError)
             streamed = body.get("stream", True)
             if not isinstance(streamed, bool):
                 raise SpeechInputError("'stream' must be a boolean", "stream", "invalid_type")

@@ -14,10 +14,8 @@ from fastapi import WebSocket
 
 from audio.config import TTSConfig
 from audio.text import SentenceBuffer
-from audio.validate import (SESSION_FIELDS, SpeechInputError, check_fields, check_speed, check_unicode, check_voice,
-                            speakable)
+from audio.validate import SESSION_FIELDS, SpeechInputError, check_fields, check_speech, check_unicode, speakable
 from core.constants import SAMPLE_RATE
-from core.validate import check_seed
 
 from ..config.profiles import FamilySection, Profile
 from ..deployments.backends import Backend
@@ -147,12 +145,8 @@ class SpeechSession:
         new = dict(self.session)
         if "model" in s:
             new["model"] = check_model(self.profile, "tts", s["model"])
-        if "voice" in s:
-            new["voice"] = check_voice(self.cfg, s["voice"])
-        if "speed" in s:
-            new["speed"] = check_speed(self.cfg, s["speed"])
-        if "seed" in s:
-            new["seed"] = check_seed(s["seed"], SpeechInputError)
+        new["voice"], new["speed"], new["seed"] = check_speech(  # the engine's own checks
+            self.cfg, s.get("voice", new["voice"]), s.get("speed", new["speed"]), s.get("seed", new["seed"]))
         self.session = new
         await self.send({"type": "session.updated", "session": dict(new)})
 

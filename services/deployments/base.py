@@ -15,13 +15,13 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from core.llm_client import EngineUnavailableError
-
 
 class EngineDeployment:
-    """A replica owning ``self.engine`` and, with ``engine_cfg.backend == "vllm"``, ``self.server`` (a supervised
-    :class:`services.engines.process.ServerProcess`) and ``self.llm_client`` (its pooled
-    :class:`core.vllm_client.VLLMClient`); both are None on the in-process ``transformers`` backend.
+    """A replica owning ``self.engine`` and, when its family's backend needs an engine process
+    (``grafting.backend.needs_engine_process`` / ``audio.backend.needs_engine_process``), ``self.server`` (a
+    supervised :class:`services.engines.process.ServerProcess`) and ``self.llm_client`` (its pooled
+    :class:`core.vllm_client.VLLMClient`); both are None when the model runs in this process. Engine counters come
+    from the engine's ``stats()`` (its client's), never from here.
 
     Subclasses call :meth:`_start_engine` from ``__init__``. ``ready()`` is the engine's readiness (False while
     its server is down), ``check_health()`` raises once the server has given up so that Ray replaces the replica,
@@ -31,10 +31,11 @@ class EngineDeployment:
     server: Any = None
     llm_client: Any = None
 
-    def _start_engine(self, engine_cfg: Any, model_dir: str, build: Callable[[Any], Any], torch_threads: int | None):
-        """Start the vLLM server for ``engine_cfg`` when its backend is ``vllm`` (blocking until it serves, see
-        :func:`services.engines.vllm_server.start_vllm_for`), then ``self.engine = build(llm_client)`` (None on
-        the transformers backend). A failing ``build`` stops the server it was given before re-raising, so no
+    def _start_engine(self, engine_cfg: Any, model_dir: str, needs_process: bool, build: Callable[[Any], Any],
+                      torch_threads: int | None):
+        """Start the vLLM server for ``engine_cfg`` when ``needs_process`` (what the family's backend module says;
+        see :func:`services.engines.vllm_server.start_vllm_for`), then ``self.engine = build(llm_client)`` (None
+        when no process was started). A failing ``build`` stops the server it was given before re-raising, so no
         process outlives a replica that never started. ``torch_threads`` (if set) caps this process's torch
         intra-op threads. Raises what ``start_vllm_for`` or ``build`` raise (OSError for a missing checkpoint,
         ValueError for a bad configuration, RuntimeError for a server that will not start)."""
@@ -42,7 +43,7 @@ class EngineDeployment:
             import torch
 
             torch.set_num_threads(torch_threads)
-        if engine_cfg.backend == "vllm":
+        if needs_process:
             from ..engines.vllm_server import start_vllm_for
 
             self.llm_client = start_vllm_for(engine_cfg, model_dir)
@@ -65,20 +66,6 @@ class EngineDeployment:
         or restarting is healthy (``ready()`` answers for it)."""
         if self.server is not None and self.server.state == "failed":
             raise RuntimeError(f"the vLLM server failed: {self.server.last_error}")
-
-    async def server_stats(self) -> dict:
-        """The vLLM server's side of ``stats()`` (empty on the transformers backend): ``engine_requests`` (running
-        + waiting in vLLM, from its ``/metrics``), ``generated_tokens`` (since the server started), each None while
-        the server is down; ``engine_state``, ``engine_pid`` (vLLM's API server process), ``engine_restarts``."""
-        if self.llm_client is None:
-            return {}
-        try:
-            active, generated = await self.llm_client.requests_in_engine(), await self.llm_client.generated_tokens()
-        except EngineUnavailableError:
-            active = generated = None
-        server = self.server
-        return {"engine_requests": active, "generated_tokens": generated, "engine_state": server.state,
-                "engine_pid": server.server_pid, "engine_restarts": server.restarts}
 
     def __del__(self):
         """Replica shutdown (Ray Serve calls this once in-flight requests are done): close the engine (its batcher

@@ -25,21 +25,21 @@ class Deployment(EngineDeployment):
     """
 
     def __init__(self, section: dict, model_dir: str):
+        from audio.backend import needs_engine_process
         from audio.engine import TTSEngine
 
         cfg = FamilySection[TTSConfig].model_validate(section)
-        self._start_engine(cfg.engine, model_dir, lambda client: TTSEngine.from_config(
-            cfg.engine, model_dir, lm_client=client), cfg.deployment.torch_threads)
+        self._start_engine(cfg.engine, model_dir, needs_engine_process(cfg.engine.backend),
+                           lambda client: TTSEngine.from_config(cfg.engine, model_dir, lm_client=client),
+                           cfg.deployment.torch_threads)
         self.running = 0  # syntheses whose worker thread is alive
         self._count_lock = threading.Lock()
 
     async def stats(self) -> dict:
-        """``backend``, ``active`` syntheses (worker threads alive), ``frames``: audio frames generated so far
-        (:attr:`audio.engine.TTSEngine.frames_generated`, a measure of work done) and, with vllm, the server's
-        state (:meth:`~services.deployments.base.EngineDeployment.server_stats`: ``engine_requests``, the
-        requests vLLM holds, running + waiting, None while it is down)."""
-        return {"backend": self.engine.cfg.backend, "active": self.running, "frames": self.engine.frames_generated,
-                **await self.server_stats()}
+        """``active`` syntheses (worker threads alive), then the engine's counters
+        (:meth:`audio.engine.TTSEngine.stats`): ``backend``, ``frames`` generated so far (a measure of work done),
+        ``engine_requests`` (LM requests held now), ``generated_tokens``, and with vllm the server's state."""
+        return {"active": self.running, **await self.engine.stats()}
 
     async def active(self) -> int:
         """Number of syntheses running now (their worker threads alive): 0 once every client is gone."""

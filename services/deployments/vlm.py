@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import threading
 from typing import Any
 
 from ..config.profiles import FamilySection
@@ -15,10 +14,11 @@ from .events import engine_fault, input_error_event, is_input_error
 
 
 class Deployment(EngineDeployment):
-    """Ray Serve deployment of the grafted VLM: one engine per replica. With the ``transformers`` backend,
-    concurrent requests are decoded together by the engine's continuous batcher (up to ``max_batch_size``); with
-    ``vllm`` the replica owns a supervised vLLM server process (started here, restarted when it dies, stopped
-    with the replica) whose continuous batching serves them, and ``ready()`` is False while it is down.
+    """Ray Serve deployment of the grafted VLM: one engine per replica, answering through
+    :meth:`grafting.engine.VLMEngine.stream` whatever the backend. With ``transformers`` concurrent requests are
+    decoded together by the in-process client's continuous batcher (up to ``max_batch_size``); with ``vllm`` the
+    replica owns a supervised vLLM server process (started here, restarted when it dies, stopped with the
+    replica) whose continuous batching serves them, and ``ready()`` is False while it is down.
 
     ``chat_stream(request)`` is an async generator of events: ``{"type": "start", "prompt_tokens"}``, then
     ``{"type": "delta", "text"}`` per token, then ``{"type": "end", "finish_reason", "completion_tokens"}``.
@@ -36,23 +36,20 @@ class Deployment(EngineDeployment):
         from grafting.engine import VLMEngine
         from grafting.token_bytes import TokenBytes
 
+        from grafting.backend import needs_engine_process
+
         cfg = FamilySection[VLMConfig].model_validate(section)
-        self._start_engine(cfg.engine, model_dir, lambda client: VLMEngine.from_config(
-            cfg.engine, model_dir, backend=cfg.engine.backend, llm_client=client), cfg.deployment.torch_threads)
-        self.batcher = self.engine.batcher() if self.engine.backend == "transformers" else None
+        self._start_engine(cfg.engine, model_dir, needs_engine_process(cfg.engine.backend),
+                           lambda client: VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
+                                                                llm_client=client), cfg.deployment.torch_threads)
         self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
 
     async def stats(self) -> dict:
-        """Backend state: ``backend``; ``generated_tokens``, tokens generated since start over all requests (the
-        work done; None while the engine is down); transformers: ``active`` rows being decoded now,
-        ``max_batch_seen`` since start; vllm: ``active`` requests vLLM holds (running + waiting, from its
-        ``/metrics``; None while the engine is down), ``engine_state``, ``engine_pid`` (vLLM's API server process),
-        ``engine_restarts``."""
-        if self.batcher is not None:
-            return {"backend": "transformers", "active": self.batcher.active,
-                    "max_batch_seen": self.batcher.max_batch_seen, "generated_tokens": self.batcher.generated_tokens}
-        out = await self.server_stats()
-        return {"backend": "vllm", "active": out.pop("engine_requests"), **out}
+        """The engine's counters (:meth:`grafting.engine.VLMEngine.stats`): ``backend``, ``active`` requests
+        being decoded (None while the engine is down), ``generated_tokens`` since start over all requests (the
+        work done), and per backend ``max_batch_seen`` or ``engine_state``, ``engine_pid`` (vLLM's API server
+        process), ``engine_restarts``."""
+        return await self.engine.stats()
 
     def _logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
         """OpenAI ``ChatCompletionTokenLogprob``: token text, its raw bytes (:class:`grafting.token_bytes.TokenBytes`:
@@ -91,7 +88,7 @@ class Deployment(EngineDeployment):
         from grafting.collapse_guard import GuardReport
 
         report = GuardReport()
-        gen = self._guarded(prompt, params, response_format, report)
+        gen = self.engine.stream(prompt, params, response_format, report)
         try:
             try:
                 d = await gen.__anext__()
@@ -119,43 +116,6 @@ class Deployment(EngineDeployment):
                     raise
         finally:
             await gen.aclose()
-
-    # --- issue 11 hooks: the collapse guard over both backends' Delta streams, image-cache stats in end events --
-    def _batcher_attempt(self, prompt, params):
-        """One generation on the transformers backend's batcher as an async iterator of Delta events (closing
-        it drops the row from the batch at its next step)."""
-        async def gen():
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            cancel = threading.Event()
-            self.batcher.submit(prompt, params, cancel,
-                                lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-            try:
-                while True:
-                    d = await queue.get()
-                    if isinstance(d, BaseException):
-                        raise d
-                    yield d
-                    if d.finish_reason is not None:
-                        return
-            finally:
-                cancel.set()
-        return gen()
-
-    def _guarded(self, prompt, params, response_format, report):
-        """The answer's Delta stream through the collapse guard (``vlm.engine.collapse_guard``). Off for
-        ``response_format`` answers: a JSON grammar cannot resume in the middle of an answer."""
-        from grafting.collapse_guard import guarded_stream
-
-        cfg = self.engine.config.collapse_guard
-        if response_format is not None:
-            cfg = cfg.model_copy(update={"enabled": False})
-        if self.engine.backend == "vllm":
-            def attempt(p, sp):
-                return self.engine.agenerate(p, sp, response_format)
-        else:
-            attempt = self._batcher_attempt
-        return guarded_stream(attempt, prompt, params, cfg, self.engine.tokenizer, report)
 
     def _end_extras(self, report) -> dict:
         """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's

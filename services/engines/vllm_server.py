@@ -3,7 +3,7 @@
 both families), used by the VLM and speech deployments and by tests and benches without Ray.
 
 The server runs in ``.venv-vllm`` under :class:`services.engines.process.ServerProcess`; the engine
-(``grafting/vllm_backend.py``, ``audio/vllm_backend.py``) gets the :class:`core.vllm_client.VLLMClient` and never
+(``grafting/backend.py``, ``audio/backend.py``) gets the :class:`core.vllm_client.VLLMClient` and never
 this module.
 """
 
@@ -58,7 +58,7 @@ def speech_server_spec(config: TTSConfig, lm_path: str) -> ServerSpec:
 
     Context = :meth:`audio.config.TTSConfig.max_model_len`; ``--max-num-seqs`` = ``max_batch_size``; the frame
     constraint ``audio/vllm_ext/chimera_frame_constraint.py`` is loaded as a custom logits processor (that
-    directory on the server's ``PYTHONPATH``; requests enable it with ``vllm_xargs``, ``audio/vllm_backend.py``)."""
+    directory on the server's ``PYTHONPATH``; requests enable it with ``vllm_xargs``, ``audio/lm_stream.py``)."""
     env = {"PYTHONPATH": SPEECH_EXT}
     return _spec(config.vllm, config.dtype, lm_path, config.max_model_len(), config.max_batch_size,
                  ["--logits-processors", FRAME_PROCESSOR], env)
