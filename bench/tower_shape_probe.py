@@ -7,9 +7,12 @@ the same steps with the same optimiser (AdamW, 5% warmup, cosine):
    1.35M parameters, linear 14-px patch embedding) with :class:`grafting.train.pretrain.TowerClassifier`'s heads,
    exactly as ``chimera graft pretrain-tower --source scenes --init grafting/assets/cpu_shapes/tower`` trains it;
 2. ``convstem``: :class:`grafting.tower.MoonViTConvStem` of the same sizes (hidden 192, 3 layers, 4 heads, MLP 512;
-   stem widths 24/48/48, 1.72M parameters), from scratch (seeded), same heads: MoonViT with a convolutional stem
-   (Xiao et al. 2021, arXiv:2106.14881), what ``chimera graft pretrain-tower --source scenes --patch-stem conv``
-   trains; ``--save DIR`` keeps it (``save_pretrained`` + processor) for grafting;
+   stem: a stride-2 and two stride-1 3x3 convolutions 24/48/48 wide, then a 7x7 stride-7 projection; 1.72M
+   parameters), from scratch (seeded), same heads: MoonViT with a convolutional stem (Xiao et al. 2021,
+   arXiv:2106.14881), what ``chimera graft pretrain-tower --source scenes --patch-stem conv`` trains;
+   ``convstem16``: the same with Xiao's stem (patches resampled to 16 px, four stride-2 3x3 convolutions 24/48/96/192
+   wide, 1x1 projection; ``--stem-patch 16 --stem-strides 2,2,2,2 --stem-channels 24,48,96,192``); ``--save DIR``
+   keeps each (``save_pretrained`` + processor) in ``DIR/<name>`` for grafting;
 3. ``cnn``, a reference: a plain 6-layer CNN (3x3 convolutions, BatchNorm, GELU, 0.44M parameters at width 32) with
    the same heads on the mean of its 8x8 feature map. It is a yardstick for the data, not a tower.
 
@@ -85,8 +88,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--canvas", type=int, default=112)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--models", default="moonvit,convstem,cnn", help="comma list of moonvit, convstem, cnn")
-    ap.add_argument("--save", default=None, help="save the trained convstem tower (+ processor) here")
+    ap.add_argument("--models", default="moonvit,convstem,cnn",
+                    help="comma list of moonvit, convstem, convstem16, cnn")
+    ap.add_argument("--save", default=None, help="save each trained conv-stem tower (+ processor) in DIR/<name>")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -95,6 +99,9 @@ def main() -> None:
     build = {"moonvit": lambda: TowerClassifier(Kimi_K25VisionModel.from_pretrained(TOWER, dtype=torch.float32), HEADS),
              "convstem": lambda: TowerClassifier(build_random_tower(build_tower_config(
                  192, 3, 4, 512, 32, 32, patch_stem="conv"), a.seed), HEADS),
+             "convstem16": lambda: TowerClassifier(build_random_tower(build_tower_config(
+                 192, 3, 4, 512, 32, 32, patch_stem="conv", stem_channels=[24, 48, 96, 192], stem_strides=[2, 2, 2, 2],
+                 stem_patch=16), a.seed), HEADS),
              "cnn": ReferenceCNN}
     models = {k: build[k]().train() for k in a.models.split(",")}
     for name, m in models.items():
@@ -144,10 +151,10 @@ def main() -> None:
     for name in [k for k in models if k != "cnn" and "cnn" in models]:
         ratio = "  ".join(f"{k} {last[name][k] / max(last['cnn'][k], 1e-9):.2f}" for k in HEADS)
         print(f"{name} / cnn held-out accuracy after {a.steps} steps: {ratio}")
-    if a.save and "convstem" in models:
-        models["convstem"].tower.eval().save_pretrained(a.save)
-        processor.save_pretrained(a.save)
-        print(f"convstem tower saved to {a.save}")
+    for name in [k for k in models if k.startswith("convstem") and a.save]:
+        models[name].tower.eval().save_pretrained(f"{a.save}/{name}")
+        processor.save_pretrained(f"{a.save}/{name}")
+        print(f"{name} tower saved to {a.save}/{name}")
 
 
 if __name__ == "__main__":

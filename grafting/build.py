@@ -36,7 +36,8 @@ def build_tower(out_dir: Path, cfg: VLMConfig) -> None:
     b = cfg.build.tower
     tower = build_random_tower(build_tower_config(b.hidden_size, b.num_hidden_layers, b.num_attention_heads,
                                                   b.intermediate_size, b.pos_emb_height, b.pos_emb_width,
-                                                  b.patch_stem, b.stem_channels), b.seed)
+                                                  b.patch_stem, b.stem_channels, b.stem_strides,
+                                                  b.stem_patch), b.seed)
     tower.save_pretrained(out_dir)
     side = cfg.max_image_side // 14  # the processor's size is in patches per side
     proc = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})

@@ -15,6 +15,7 @@ real ``Kimi_K25VisionModel``. :func:`tower_class` picks the class a saved tower 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -31,12 +32,18 @@ PATCH_STEMS = ("linear", "conv")  # TowerBuild.patch_stem: MoonViT's own patch e
 
 @strict
 class MoonViTConvStemConfig(Kimi_K25VisionConfig):
-    """:class:`~transformers.Kimi_K25VisionConfig` plus the widths of :class:`ConvStemPatchEmbed`'s 3x3 convolutions
-    (``stem_channels``: the first has stride 2, the others stride 1). ``model_type`` ``moonvit_conv_stem``, so a
-    saved folder is never mistaken for (and loaded as) a linear-stem MoonViT."""
+    """:class:`~transformers.Kimi_K25VisionConfig` plus the layout of :class:`ConvStemPatchEmbed`: the widths and
+    strides (1 or 2) of its 3x3 convolutions (``stem_channels``, ``stem_strides``) and the side in pixels each
+    ``patch_size`` patch is resampled to first (``stem_patch``; ``patch_size``: no resampling). ``model_type``
+    ``moonvit_conv_stem``, so a saved folder is never mistaken for (and loaded as) a linear-stem MoonViT.
+
+    Defaults: one stride-2 and two stride-1 convolutions at half resolution, then a 7x7 stride-7 projection.
+    ``stem_patch=16, stem_strides=[2, 2, 2, 2]`` (with a 1x1 projection) is Xiao et al.'s stem."""
 
     model_type = "moonvit_conv_stem"
     stem_channels: list[int] | tuple[int, ...] = (24, 48, 48)
+    stem_strides: list[int] | tuple[int, ...] = (2, 1, 1)
+    stem_patch: int = 14
 
 
 class ConvStemPatchEmbed(nn.Module):
@@ -47,28 +54,38 @@ class ConvStemPatchEmbed(nn.Module):
     (bicubically resampled) position grid, exactly like ``Kimi_K25VisionPatchEmbed``.
 
     Each image's patches are put back together into its ``(t, 3, h*p, w*p)`` pixels (images of one size are batched),
-    then: ``Conv3x3/2 -> BN -> GELU`` to half resolution (``stem_channels[0]`` wide), ``Conv3x3/1 -> BN -> GELU`` for
-    each further width, and a ``(p/2)x(p/2)`` stride-``p/2`` convolution to ``hidden_size`` (no norm, like Xiao's final
-    1x1): exactly one output per ``p``-px patch, so the grid and the token counts are the linear stem's. Unlike the
-    linear stem, a patch's embedding sees its neighbours' border pixels (a 14-px patch's receptive field is 24 px with
-    three 3x3 convolutions). p must be even (MoonViT: 14; 14 is not a power of 2, hence one stride-2 stage and one
-    stride-7 stage rather than Xiao's four stride-2 convolutions)."""
+    bilinearly resampled to ``(h*q, w*q)`` when ``stem_patch`` q differs from p, then ``Conv3x3/s -> BN -> GELU`` per
+    ``stem_channels``/``stem_strides`` entry, and a ``k x k`` stride-``k`` convolution to ``hidden_size``
+    (k = q / prod(strides); no norm, like Xiao's final 1x1): exactly one output per patch, so the grid and the token
+    counts are the linear stem's. Unlike the linear stem, a patch's embedding is a non-linear function of its
+    pixels and of its neighbours' border pixels. 14 is not a power of 2: either one stride-2 stage and a 7x7
+    stride-7 projection (the default), or q = 16 and Xiao's four stride-2 convolutions with a 1x1 projection.
+    Raises ValueError when q is not divisible by the strides' product."""
 
     def __init__(self, config: MoonViTConvStemConfig):
         super().__init__()
-        p = config.patch_size
-        if not isinstance(p, int) or p % 2:
-            raise ValueError(f"the conv stem needs an even integer patch_size, got {p!r}")
-        widths = list(config.stem_channels)
-        if not widths:
-            raise ValueError("stem_channels needs at least one width")
-        self.patch_size = p
+        p, q = config.patch_size, config.stem_patch
+        widths, strides = list(config.stem_channels), list(config.stem_strides)
+        if not isinstance(p, int) or not widths or len(widths) != len(strides) or any(s not in (1, 2) for s in strides):
+            raise ValueError(f"bad conv stem: patch_size {p!r}, stem_channels {widths}, stem_strides {strides}")
+        down = math.prod(strides)
+        if q % down:
+            raise ValueError(f"stem_patch {q} is not divisible by the stem's total stride {down}")
+        self.patch_size, self.stem_patch = p, q
         layers: list[nn.Module] = []
-        for i, (c_in, c_out) in enumerate(zip([3, *widths[:-1]], widths)):
-            layers += [nn.Conv2d(c_in, c_out, 3, 2 if i == 0 else 1, 1, bias=False), nn.BatchNorm2d(c_out), nn.GELU()]
+        for c_in, c_out, st in zip([3, *widths[:-1]], widths, strides):
+            layers += [nn.Conv2d(c_in, c_out, 3, st, 1, bias=False), nn.BatchNorm2d(c_out), nn.GELU()]
         self.stem = nn.Sequential(*layers)
-        self.proj = nn.Conv2d(widths[-1], config.hidden_size, kernel_size=p // 2, stride=p // 2)
+        self.proj = nn.Conv2d(widths[-1], config.hidden_size, kernel_size=q // down, stride=q // down)
         self.pos_emb = Kimi_K25VisionPositionEmbeddings(config)
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Stem + projection of whole images ``(T, 3, h*p, w*p)`` -> ``(T, hidden, h, w)``."""
+        p, q = self.patch_size, self.stem_patch
+        if q != p:
+            h, w = pixels.shape[-2] // p, pixels.shape[-1] // p
+            pixels = nn.functional.interpolate(pixels, size=(h * q, w * q), mode="bilinear", align_corners=False)
+        return self.proj(self.stem(pixels))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor:
         """``(P, hidden)`` patch embeddings (with positions) of the packed ``(P, 3, p, p)`` patches."""
@@ -83,7 +100,7 @@ class ConvStemPatchEmbed(nn.Module):
         for (h, w), idx in by_size.items():
             frames = torch.cat([images[i].view(grids[i][0], h, w, 3, p, p) for i in idx])  # (T, h, w, 3, p, p)
             pixels = frames.permute(0, 3, 1, 4, 2, 5).reshape(-1, 3, h * p, w * p)
-            feats = self.proj(self.stem(pixels))  # (T, hidden, h, w)
+            feats = self.features(pixels)  # (T, hidden, h, w)
             rows = feats.permute(0, 2, 3, 1).reshape(-1, h * w, feats.shape[1])
             start = 0
             for i in idx:
@@ -138,13 +155,16 @@ def build_tower_config(
     pos_emb_width: int = 64,
     patch_stem: str = "linear",
     stem_channels: list[int] | tuple[int, ...] = (24, 48, 48),
+    stem_strides: list[int] | tuple[int, ...] = (2, 1, 1),
+    stem_patch: int = 14,
 ) -> Kimi_K25VisionConfig:
     """A MoonViT config (patch 14, 2x2 merge); the defaults are the real K2.5 tower's sizes. ``patch_stem: conv``
-    gives a :class:`MoonViTConvStemConfig` (``stem_channels`` wide) instead. Raises ValueError for another stem."""
+    gives a :class:`MoonViTConvStemConfig` (stem layout ``stem_channels``/``stem_strides``/``stem_patch``) instead.
+    Raises ValueError for another stem."""
     if patch_stem not in PATCH_STEMS:
         raise ValueError(f"patch_stem must be one of {PATCH_STEMS}, got {patch_stem!r}")
-    kind, extra = (MoonViTConvStemConfig, {"stem_channels": list(stem_channels)}) if patch_stem == "conv" else \
-        (Kimi_K25VisionConfig, {})
+    extra = {"stem_channels": list(stem_channels), "stem_strides": list(stem_strides), "stem_patch": stem_patch}
+    kind, extra = (MoonViTConvStemConfig, extra) if patch_stem == "conv" else (Kimi_K25VisionConfig, {})
     return kind(
         **extra,
         hidden_size=hidden_size,

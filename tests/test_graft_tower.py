@@ -92,13 +92,16 @@ def test_pretrain_tower_is_seeded_and_saves_a_loadable_tower(tmp_path):
 
 
 # -- the conv-stem MoonViT of the cpu tower (issue 27) -----------------------------------------------------------
-def _pair(seed: int = 0):
-    """A linear-stem and a conv-stem tiny MoonViT of the same sizes."""
+XIAO = {"stem_channels": [4, 8, 8, 16], "stem_strides": [2, 2, 2, 2], "stem_patch": 16}  # Xiao's layout, resampled
+
+
+def _pair(seed: int = 0, **stem):
+    """A linear-stem and a conv-stem tiny MoonViT of the same sizes (default stem: 3x3/2, 3x3/1, then 7x7/7)."""
     from grafting.tower import build_random_tower, build_tower_config
 
     lin = build_random_tower(build_tower_config(32, 2, 2, 64, 16, 16), seed=seed)
-    conv = build_random_tower(build_tower_config(32, 2, 2, 64, 16, 16, patch_stem="conv", stem_channels=[8, 16]),
-                              seed=seed)
+    stem = stem or {"stem_channels": [8, 16], "stem_strides": [2, 1]}
+    conv = build_random_tower(build_tower_config(32, 2, 2, 64, 16, 16, patch_stem="conv", **stem), seed=seed)
     return lin, conv
 
 
@@ -110,12 +113,13 @@ def _images(sizes):
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-def test_conv_stem_tower_gives_the_linear_towers_shapes_and_token_counts():
+@pytest.mark.parametrize("stem", [{}, XIAO], ids=["half-res", "xiao16"])
+def test_conv_stem_tower_gives_the_linear_towers_shapes_and_token_counts(stem):
     from transformers import Kimi_K25ImageProcessor
 
     from grafting.tower import MoonViTConvStem
 
-    lin, conv = _pair()
+    lin, conv = _pair(**stem)
     assert isinstance(conv, MoonViTConvStem) and type(lin).__name__ == "Kimi_K25VisionModel"
     proc = Kimi_K25ImageProcessor(size={"max_height": 16, "max_width": 16})
     # one image at a time, then all packed in one call (mixed sizes, the serving path's packing)
@@ -132,10 +136,11 @@ def test_conv_stem_tower_gives_the_linear_towers_shapes_and_token_counts():
         assert torch.isfinite(b.pooler_output).all()
 
 
-def test_conv_stem_sees_whole_images_and_packs_images_independently():
+@pytest.mark.parametrize("stem", [{}, XIAO], ids=["half-res", "xiao16"])
+def test_conv_stem_sees_whole_images_and_packs_images_independently(stem):
     from transformers import Kimi_K25ImageProcessor
 
-    _, conv = _pair()
+    _, conv = _pair(**stem)
     stem = conv.patch_embed
     proc = Kimi_K25ImageProcessor(size={"max_height": 16, "max_width": 16})
     imgs = _images([(112, 84), (56, 140)])
@@ -144,6 +149,8 @@ def test_conv_stem_sees_whole_images_and_packs_images_independently():
         f = proc(images=imgs[:1], return_tensors="pt")
         t, h, w = f["image_grid_thw"][0].tolist()
         pixels = torch.from_numpy(__import__("numpy").array(imgs[0])).permute(2, 0, 1)[None].float() / 127.5 - 1
+        if stem.stem_patch != 14:
+            pixels = torch.nn.functional.interpolate(pixels, size=(h * 16, w * 16), mode="bilinear")
         direct = stem.proj(stem.stem(pixels)).permute(0, 2, 3, 1).reshape(h * w, -1)
         got = stem(f["pixel_values"], f["image_grid_thw"]) - stem.pos_emb(torch.zeros_like(direct), f["image_grid_thw"])
         assert torch.allclose(got, direct, atol=1e-5)
@@ -155,8 +162,9 @@ def test_conv_stem_sees_whole_images_and_packs_images_independently():
         assert torch.allclose(packed, alone, atol=1e-5)
 
 
-def test_conv_stem_is_the_only_difference_from_moonvit():
-    lin, conv = _pair()
+@pytest.mark.parametrize("stem", [{}, XIAO], ids=["half-res", "xiao16"])
+def test_conv_stem_is_the_only_difference_from_moonvit(stem):
+    lin, conv = _pair(**stem)
     assert [n for n, _ in lin.named_children()] == [n for n, _ in conv.named_children()]
     ls, cs = lin.state_dict(), conv.state_dict()
     stem_keys = {k for k in cs if k.startswith(("patch_embed.stem.", "patch_embed.proj."))}
@@ -199,12 +207,17 @@ def test_conv_stem_tower_saves_loads_and_builds_like_the_linear_one(tmp_path):
     cfg = VLMConfig(max_image_side=224, build={"tower": {"hidden_size": 32, "num_hidden_layers": 1,
                                                          "num_attention_heads": 2, "intermediate_size": 64,
                                                          "pos_emb_height": 16, "pos_emb_width": 16,
-                                                         "patch_stem": "conv", "stem_channels": [8]}})
+                                                         "patch_stem": "conv", "stem_channels": [8],
+                                                         "stem_strides": [2]}})
     build_tower(tmp_path / "built", cfg)
     assert isinstance(load_tower(tmp_path / "built"), MoonViTConvStem)
     assert VLMConfig().build is None and VLMConfig(build={}).build.tower.patch_stem == "linear"
     with pytest.raises(ValueError):
         VLMConfig(build={"tower": {"patch_stem": "resnet"}})
+    from grafting.tower import build_random_tower, build_tower_config
+
+    with pytest.raises(ValueError, match="divisible"):  # 14 px cannot be reached by four stride-2 convolutions
+        build_random_tower(build_tower_config(32, 1, 2, 64, 16, 16, patch_stem="conv", **{**XIAO, "stem_patch": 14}))
     (tmp_path / "llm").mkdir()
     (tmp_path / "llm" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 48,
                                                                      "num_attention_heads": 4}))
@@ -220,7 +233,7 @@ def test_pretrain_tower_trains_a_conv_stem_tower(tmp_path):
     torch.set_num_threads(1)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                intermediate_size=64, pos_emb_height=16, pos_emb_width=16,
-                                               patch_stem="conv", stem_channels=[8]),
+                                               patch_stem="conv", stem_channels=[8], stem_strides=[2]),
                               steps=2, batch_size=4, eval_images=8, seed=5, source="scenes")
     pretrain_tower(cfg, tmp_path / "c1", log=lambda *_: None)
     a = load_tower(tmp_path / "c1")

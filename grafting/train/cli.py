@@ -56,7 +56,9 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)"),
                        patch_stem: str = typer.Option("linear", help="linear (MoonViT's patch embedding) or conv "
                                                                      "(grafting.tower.MoonViTConvStem)"),
-                       stem_channels: str = typer.Option("24,48,48", help="conv stem widths, comma list")):
+                       stem_channels: str = typer.Option("24,48,48", help="conv stem widths, comma list"),
+                       stem_strides: str = typer.Option("2,1,1", help="conv stem strides (1 or 2), comma list"),
+                       stem_patch: int = typer.Option(14, help="conv stem: px each 14-px patch is resampled to")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
@@ -67,7 +69,9 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
                                                num_attention_heads=heads, intermediate_size=intermediate_size,
                                                patch_stem=patch_stem,
-                                               stem_channels=[int(c) for c in stem_channels.split(",")]),
+                                               stem_channels=[int(c) for c in stem_channels.split(",")],
+                                               stem_strides=[int(c) for c in stem_strides.split(",")],
+                                               stem_patch=stem_patch),
                               steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init,
                               source=source, token_weight=token_weight)
     m = pretrain_tower(cfg, out, log=typer.echo)

@@ -154,7 +154,8 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
     else:
         tower = build_random_tower(build_tower_config(t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
                                                       t.intermediate_size, t.pos_emb_height, t.pos_emb_width,
-                                                      t.patch_stem, t.stem_channels), cfg.seed)
+                                                      t.patch_stem, t.stem_channels, t.stem_strides,
+                                                      t.stem_patch), cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.token_weight and cfg.source != "scenes":
         raise ValueError("token_weight needs source: scenes (token targets come from grafting.train.scenes)")
