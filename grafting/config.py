@@ -36,7 +36,12 @@ class ImageLimits(Strict):
 
 
 class TowerBuild(Strict):
-    """Sizes of the small random-weight ``Kimi_K25VisionModel`` the cpu profile builds (seeded)."""
+    """Sizes of the small random-weight ``Kimi_K25VisionModel`` the cpu profile builds (seeded).
+
+    ``patch_stem``: ``linear`` (MoonViT's own 14-px patch embedding, the default) or ``conv``
+    (:class:`grafting.tower.MoonViTConvStem`: a convolutional stem of ``stem_channels`` widths and ``stem_strides``
+    on patches resampled to ``stem_patch`` px, arXiv:2106.14881; same patch grid, token counts and interface).
+    GPU profiles load the real tower and have no build block."""
 
     hidden_size: int = 128
     num_hidden_layers: int = 2
@@ -44,6 +49,10 @@ class TowerBuild(Strict):
     intermediate_size: int = 256
     pos_emb_height: int = 32
     pos_emb_width: int = 32
+    patch_stem: str = Field("linear", pattern="^(linear|conv)$")
+    stem_channels: list[int] = Field([24, 48, 48], min_length=1)
+    stem_strides: list[int] = Field([2, 1, 1], min_length=1)
+    stem_patch: int = Field(14, ge=1)
     seed: int = 0
 
 

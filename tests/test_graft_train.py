@@ -184,6 +184,17 @@ def test_cpu_configs_parse():
     assert c.model.tower != b.model.tower
 
 
+def test_conv_tower_arms_differ_from_the_issue_15_arms_only_in_tower_and_output():
+    from grafting.train.config import TrainConfig
+
+    for old, new in (("cpu_varied_captions_only", "cpu_conv_varied_captions_only"), ("cpu_varied", "cpu_conv_varied")):
+        a = TrainConfig.from_yaml(REPO / f"configs/graft/{old}.yaml")
+        b = TrainConfig.from_yaml(REPO / f"configs/graft/{new}.yaml")
+        assert b.model.tower == "runs/i27_tower" and b.output_dir != a.output_dir
+        assert b.model_copy(update={"output_dir": a.output_dir,
+                                    "model": b.model.model_copy(update={"tower": a.model.tower})}) == a
+
+
 def test_prepare_installs_the_shipped_graft_and_switches_back(profile, model_dir, tmp_path):
     from grafting import build
     from grafting.engine import VLMEngine

@@ -53,7 +53,12 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        init: str = typer.Option(None, help="continue from this tower folder"),
                        source: str = typer.Option("synth", help="synth (grafting.train.synth) or scenes "
                                                                 "(grafting.train.scenes)"),
-                       token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)")):
+                       token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)"),
+                       patch_stem: str = typer.Option("linear", help="linear (MoonViT's patch embedding) or conv "
+                                                                     "(grafting.tower.MoonViTConvStem)"),
+                       stem_channels: str = typer.Option("24,48,48", help="conv stem widths, comma list"),
+                       stem_strides: str = typer.Option("2,1,1", help="conv stem strides (1 or 2), comma list"),
+                       stem_patch: int = typer.Option(14, help="conv stem: px each 14-px patch is resampled to")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
@@ -62,7 +67,11 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
 
     torch.manual_seed(seed)
     cfg = PretrainTowerConfig(tower=TowerBuild(hidden_size=hidden_size, num_hidden_layers=layers,
-                                               num_attention_heads=heads, intermediate_size=intermediate_size),
+                                               num_attention_heads=heads, intermediate_size=intermediate_size,
+                                               patch_stem=patch_stem,
+                                               stem_channels=[int(c) for c in stem_channels.split(",")],
+                                               stem_strides=[int(c) for c in stem_strides.split(",")],
+                                               stem_patch=stem_patch),
                               steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init,
                               source=source, token_weight=token_weight)
     m = pretrain_tower(cfg, out, log=typer.echo)
@@ -156,17 +165,18 @@ def export(checkpoint: Path = typer.Option(..., help="trained checkpoint folder 
            name: str = typer.Option(..., help="folder name under grafting/assets"),
            dtype: str = typer.Option("float16", help="storage dtype of tower and projector weights")):
     """Copy a trained projector and its tower into ``grafting/assets/<name>`` (``build.shipped_graft``)."""
-    from transformers import Kimi_K25ImageProcessor, Kimi_K25VisionModel
+    from transformers import Kimi_K25ImageProcessor
 
     from core.memory import DTYPES
 
     from ..projector import GraftProjector
+    from ..tower import tower_class
 
     dt = DTYPES[dtype]
     g = json.loads((checkpoint / "graft.json").read_text())
     dest = ASSETS / name
     shutil.rmtree(dest, ignore_errors=True)
-    Kimi_K25VisionModel.from_pretrained(g["tower"]).to(dt).save_pretrained(dest / "tower")
+    tower_class(g["tower"]).from_pretrained(g["tower"]).to(dt).save_pretrained(dest / "tower")
     Kimi_K25ImageProcessor.from_pretrained(g["tower"]).save_pretrained(dest / "tower")
     GraftProjector.from_pretrained(checkpoint / "projector").to(dt).save_pretrained(dest / "projector")
     g.update(tower="tower", projector="projector", exported_dtype=dtype)

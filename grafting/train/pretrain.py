@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from ..config import TowerBuild
-from ..tower import build_random_tower, build_tower_config
+from ..tower import build_random_tower, build_tower_config, tower_class
 from .synth import COLOURS, COUNTS, POSITIONS, SHAPES, SIZES, render, sample_scene
 
 HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS), "size": list(SIZES),
@@ -32,7 +32,8 @@ SOURCES = ("synth", "scenes")  # grafting.train.synth (the seed's generator) or 
 
 
 class PretrainTowerConfig(BaseModel):
-    """Tower sizes (:class:`~grafting.config.TowerBuild`), optimisation (steps, batch of images, AdamW peak lr
+    """Tower sizes and patch stem (:class:`~grafting.config.TowerBuild`; ``patch_stem: conv`` trains a
+    :class:`~grafting.tower.MoonViTConvStem`), optimisation (steps, batch of images, AdamW peak lr
     with 5% warmup then cosine), image canvas in pixels, the processor's longest side in pixels, the synthetic
     split drawn from (``pretrain``: broad; ``train``: the graft's training ranges; with ``source: scenes`` the
     :mod:`grafting.train.scenes` train split, whatever ``split`` says, and its
@@ -149,13 +150,12 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
 
     t = cfg.tower
     if cfg.init:
-        from transformers import Kimi_K25VisionModel
-
-        tower = Kimi_K25VisionModel.from_pretrained(cfg.init, dtype=torch.float32)
+        tower = tower_class(cfg.init).from_pretrained(cfg.init, dtype=torch.float32)
     else:
         tower = build_random_tower(build_tower_config(t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
-                                                      t.intermediate_size, t.pos_emb_height, t.pos_emb_width),
-                                   cfg.seed)
+                                                      t.intermediate_size, t.pos_emb_height, t.pos_emb_width,
+                                                      t.patch_stem, t.stem_channels, t.stem_strides,
+                                                      t.stem_patch), cfg.seed)
     torch.manual_seed(cfg.seed)
     if cfg.token_weight and cfg.source != "scenes":
         raise ValueError("token_weight needs source: scenes (token targets come from grafting.train.scenes)")
