@@ -10,6 +10,7 @@ reached only through an :class:`~core.llm_client.LLMClient` (``grafting/backend.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -223,7 +224,7 @@ class VLMEngine:
 
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop), from
-        blocking code (it runs its own event loop)."""
+        blocking code, a running event loop's thread included (a notebook): it runs its own loop in a worker thread."""
         t0 = time.perf_counter()
         prompt = self.prepare(messages)
         params = self.sampling_params(**sampling)
@@ -231,8 +232,11 @@ class VLMEngine:
         async def collect() -> list[Delta]:
             return [d async for d in self.stream(prompt, params)]
 
+        # its own event loop in a worker thread: callable from a thread whose loop is running too (a notebook)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vlm-complete") as pool:
+            deltas = pool.submit(asyncio.run, collect()).result()
         parts, ttft, last = [], None, None
-        for d in asyncio.run(collect()):
+        for d in deltas:
             if ttft is None:
                 ttft = d.t - t0
             parts.append(d.text)
