@@ -9,8 +9,6 @@ reached only through an :class:`~core.llm_client.LLMClient` (``grafting/backend.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ import torch
 
 from core.config import resolve_path
 from core.llm_client import EngineUnavailableError, LLMClient
+from core.loop_thread import LoopThread
 from core.memory import DTYPES
 from core.validate import check_max_tokens, check_seed
 
@@ -64,6 +63,7 @@ class VLMEngine:
         self.tokenizer = processor.tokenizer
         self.config = config
         self.client = client
+        self._complete_loop = LoopThread("vlm-complete")  # complete()'s event loop, started on first use
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(model.llm.generation_config, "eos_token_id", None)
         ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -219,24 +219,20 @@ class VLMEngine:
 
     def close(self) -> None:
         """Release the client: the in-process batcher's thread joins (a later request starts a new one), a vLLM
-        server stops. Idempotent."""
+        server stops; :meth:`complete`'s loop thread ends. Idempotent."""
         self.client.close()
+        self._complete_loop.close()
 
     def complete(self, messages: list[dict[str, Any]], **sampling: Any) -> Completion:
         """Answer a conversation in one call (``sampling``: max_tokens, temperature, top_p, seed, stop), from
-        blocking code, a running event loop's thread included (a notebook): it runs its own loop in a worker thread."""
+        blocking code, a running event loop's thread included (a notebook): the stream runs on the engine's own loop
+        thread (:class:`core.loop_thread.LoopThread`)."""
         t0 = time.perf_counter()
         prompt = self.prepare(messages)
         params = self.sampling_params(**sampling)
 
-        async def collect() -> list[Delta]:
-            return [d async for d in self.stream(prompt, params)]
-
-        # its own event loop in a worker thread: callable from a thread whose loop is running too (a notebook)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vlm-complete") as pool:
-            deltas = pool.submit(asyncio.run, collect()).result()
         parts, ttft, last = [], None, None
-        for d in deltas:
+        for d in self._complete_loop.iterate(lambda: self.stream(prompt, params)):
             if ttft is None:
                 ttft = d.t - t0
             parts.append(d.text)
