@@ -34,9 +34,22 @@ $(VLLM_VENV)/.installed: Makefile
 	$(VLLM_BIN)/python -c "import vllm, transformers; from transformers import LlamaForCausalLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-# The two venvs are independent: built side by side (most of it is downloading and unpacking wheels).
+# llm-compressor (``chimera quantize``'s worker, core/quant/worker.py) pins compressed-tensors and transformers
+# that neither venv above can hold: a third venv, CPU torch 2.13 (a file on this kind of machine), files on disk
+# as the interface. The last line proves it imports.
+QUANT_VENV ?= .venv-quant
+QUANT_BIN  := $(QUANT_VENV)/bin
+$(QUANT_VENV)/.installed: Makefile
+	test -x $(QUANT_BIN)/python || $(PYTHON) -m venv $(QUANT_VENV)
+	$(QUANT_BIN)/pip install -q --upgrade pip
+	$(QUANT_BIN)/pip install -q torch==2.13.0
+	$(QUANT_BIN)/pip install -q llmcompressor==0.14.0.1
+	$(QUANT_BIN)/python -c "import llmcompressor, compressed_tensors; print('llmcompressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)"
+	touch $@
+
+# The venvs are independent: built side by side (most of it is downloading and unpacking wheels).
 install:
-	$(MAKE) -j2 $(VENV)/.installed $(VLLM_VENV)/.installed
+	$(MAKE) -j2 $(VENV)/.installed $(VLLM_VENV)/.installed $(QUANT_VENV)/.installed
 
 prepare: install
 	$(BIN)/chimera prepare --profile $(PROFILE)

@@ -113,6 +113,10 @@ class VLLMOptions(Strict):
     ``startup_timeout_s``: seconds to the first healthy ``/health``. ``speculative``: speculative decoding
     (None: off; :class:`NgramSpeculation` or :class:`DraftSpeculation`, passed as ``--speculative-config``).
     ``extra_args``: further ``api_server`` flags, verbatim.
+    ``quantized``: serve this quantized checkpoint (a folder written by ``chimera quantize``, relative to the model
+    directory like the engine's checkpoints) instead of the full-precision LM; refused at start unless its
+    ``fidelity.json`` names the LM's own weights (:func:`core.quant.fidelity.verify_checkpoint`). None: full
+    precision.
     """
 
     python: str = ".venv-vllm/bin/python"
@@ -127,3 +131,12 @@ class VLLMOptions(Strict):
     startup_timeout_s: float = Field(600.0, gt=0)
     speculative: Speculation | None = None
     extra_args: list[str] = []
+    quantized: str | None = None
+
+
+def check_quantized_backend(backend: str, vllm: VLLMOptions) -> None:
+    """A family config's ``vllm.quantized`` is served only by the ``vllm`` backend: with another backend it would be
+    ignored, so it is refused. Raises ConfigFieldError (``vllm.quantized``)."""
+    if vllm.quantized is not None and backend != "vllm":
+        raise ConfigFieldError("vllm.quantized", f"{vllm.quantized!r} is served only with backend: vllm (this "
+                               f"section's backend is {backend}, which would ignore it)")

@@ -11,7 +11,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import ConfigFieldError, Strict, VLLMOptions
+from core.config import ConfigFieldError, Strict, VLLMOptions, check_quantized_backend
 from core.constants import DTYPE_PATTERN
 
 
@@ -141,6 +141,7 @@ class VLMConfig(Strict):
         """A request without ``max_tokens`` gets ``default_max_new_tokens``, which must pass the request's own
         check (1..``max_new_tokens``): else every such request is a 400 about a field it never sent. Raises
         ConfigFieldError."""
+        check_quantized_backend(self.backend, self.vllm)
         if self.default_max_new_tokens > self.max_new_tokens:
             raise ConfigFieldError("default_max_new_tokens", f"{self.default_max_new_tokens} is over max_new_tokens "
                                    f"({self.max_new_tokens}): every request without max_tokens would be refused")

@@ -2,7 +2,8 @@
 
 ``chimera prepare [--profile cpu]`` builds the profile's model directory once (idempotent);
 ``chimera serve [--profile cpu]`` starts Ray Serve with the whole application;
-``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/train/cli.py``).
+``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/train/cli.py``);
+``chimera quantize ...`` quantizes a language model with measured fidelity (``services/quantize_cli.py``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import typer
 from grafting.train.cli import graft_app
 
 from .config.profiles import ProfileError, load_profile
+from .quantize_cli import quantize_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Chimera: multimodal inference service.")
 BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build"}
 
 # The grafting commands (synth, pretrain-tower, train, eval) live with the model code.
 app.add_typer(graft_app, name="graft", help="Train, evaluate and prepare vision-LLM grafts.")
+app.add_typer(quantize_app, name="quantize")
 
 
 def _load(profile: str):
@@ -188,6 +191,7 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     except PlanError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
+    _check_quantized(prof)
     # Ray's processes (GCS, raylet and, through the raylet, every worker and replica) inherit the signal mask of
     # the thread that starts them, and Ray itself blocks SIGINT in them (which is why Ctrl-C to the whole group
     # leaves them to this process's shutdown). A SIGTERM to the whole group (`timeout`, container runtimes, systemd's
@@ -224,6 +228,24 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             _leave_cluster(APP_NAME)
         else:
             stop()
+
+
+def _check_quantized(prof) -> None:
+    """Refuse (exit 2, with the reason) a profile serving a quantized checkpoint that must not be served (no or
+    foreign ``fidelity.json``, a scheme this host cannot run) before Ray starts."""
+    from core.quant.fidelity import QuantizedCheckpointError
+
+    from .engines.vllm_server import served_checkpoint
+
+    for fam in ("vlm", "tts"):
+        section = getattr(prof, fam)
+        if section is None or section.engine.backend != "vllm" or section.engine.vllm.quantized is None:
+            continue
+        try:
+            served_checkpoint(section.engine, prof.resolved_model_dir())
+        except QuantizedCheckpointError as err:
+            typer.echo(f"{fam}.engine.vllm.quantized: {err}", err=True)
+            raise typer.Exit(2) from None
 
 
 def _local_url(url: str) -> str:

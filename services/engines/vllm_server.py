@@ -89,14 +89,30 @@ def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seq
                       startup_timeout_s=o.startup_timeout_s)
 
 
+def served_checkpoint(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> str:
+    """The folder vLLM serves for ``config``: its LM (``llm`` or ``lm``, relative to ``model_dir``), or the quantized
+    checkpoint ``vllm.quantized`` once :func:`core.quant.fidelity.verify_checkpoint` accepts it against that LM
+    (its ``fidelity.json`` names the LM's weights; the scheme runs on this host). Raises
+    QuantizedCheckpointError (a ValueError) naming the failed check."""
+    reference = resolve_path(model_dir, config.lm if isinstance(config, TTSConfig) else config.llm)
+    if config.vllm.quantized is None:
+        return reference
+    import torch
+
+    from core.quant.fidelity import verify_checkpoint
+
+    path = resolve_path(model_dir, config.vllm.quantized)
+    verify_checkpoint(path, reference, "cuda" if torch.cuda.is_available() else "cpu")
+    return path
+
+
 def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
     """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
     ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
     ``client.close()`` stops it). Raises FileNotFoundError when the engine interpreter is missing (run
-    ``make install``)."""
-    if isinstance(config, TTSConfig):
-        spec = speech_server_spec(config, resolve_path(model_dir, config.lm))
-    else:
-        spec = server_spec(config, resolve_path(model_dir, config.llm))
+    ``make install``); QuantizedCheckpointError for a ``vllm.quantized`` checkpoint that must not be served
+    (:func:`served_checkpoint`)."""
+    path = served_checkpoint(config, model_dir)
+    spec = speech_server_spec(config, path) if isinstance(config, TTSConfig) else server_spec(config, path)
     server = ServerProcess(spec)
     return VLLMClient(server.start())

@@ -8,10 +8,11 @@ capability; `check_kernel()` refuses any other name with the reason.
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 import torch
+
+from core.cpu import cpu_flags
 
 KERNELS = ("flash", "bmm")
 CPU_FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16", "amx_int8")
@@ -51,18 +52,6 @@ def check_kernel(kernel: str) -> str:
         raise ValueError(f"unsupported CPU sparse-attention kernel {kernel!r}: the gather backend has "
                          f"{', '.join(KERNELS)} ({cpu_description()})")
     return kernel
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> tuple[str, set[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; ("?", empty set) where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = re.search(r"^model name\s*:\s*(.*)$", text, re.M).group(1).strip()
-        return model, set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())
-    except (OSError, AttributeError):
-        return "?", set()
 
 
 def cpu_description() -> str:

@@ -1,0 +1,69 @@
+"""The prompt file a family writes for the quantization worker (``prompts.safetensors``): the files-on-disk
+interface between the family's environment (which knows its prompts: chat templates, images through the tower and
+projector) and ``.venv-quant`` (which knows only the language model).
+
+Each prompt is one tensor: ``"<set>/<i>/ids"`` ``(T,)`` int64 token ids, or ``"<set>/<i>/embeds"`` ``(T, H)``
+float32 input embeddings (prompts with images: exactly what the service sends vLLM as ``prompt_embeds``). The
+metadata key ``"chimera"`` holds JSON ``{"sets": {set: {"role": "search" | "heldout", "count": n,
+"description": str}}}``. The worker answers every prompt greedily with the reference model and scores the
+answer's positions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROLES = ("search", "heldout")
+
+
+@dataclass
+class PromptSet:
+    """One named set: ``role`` (``search``: selects units; ``heldout``: the report), ``description`` and its
+    ``prompts``, each ``(T,)`` int64 ids or ``(T, H)`` float32 embeddings."""
+
+    role: str
+    description: str
+    prompts: list[torch.Tensor] = field(default_factory=list)
+
+
+def write_prompts(path: str | Path, sets: dict[str, PromptSet]) -> Path:
+    """Save ``sets`` to ``path`` (safetensors). Raises ValueError for an unknown role, an empty set, or a prompt
+    that is neither ``(T,)`` int64 nor ``(T, H)`` float32, or a set name containing ``/``."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, s in sets.items():
+        if s.role not in ROLES or not s.prompts or "/" in name:
+            raise ValueError(f"prompt set {name!r}: role {s.role!r} (one of {ROLES}), {len(s.prompts)} prompts")
+        for i, p in enumerate(s.prompts):
+            if p.ndim == 1 and p.dtype == torch.int64:
+                tensors[f"{name}/{i}/ids"] = p.contiguous()
+            elif p.ndim == 2 and p.dtype == torch.float32:
+                tensors[f"{name}/{i}/embeds"] = p.contiguous()
+            else:
+                raise ValueError(f"prompt {name}/{i}: {tuple(p.shape)} {p.dtype}, want (T,) int64 or (T, H) float32")
+        meta[name] = {"role": s.role, "count": len(s.prompts), "description": s.description}
+    path = Path(path)
+    save_file(tensors, str(path), metadata={"chimera": json.dumps({"sets": meta})})
+    return path
+
+
+def read_prompts(path: str | Path) -> dict[str, PromptSet]:
+    """The sets of a file written by :func:`write_prompts`. Raises ValueError when its metadata is missing."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = (f.metadata() or {}).get("chimera")
+        if meta is None:
+            raise ValueError(f"{path} is not a chimera prompt file (no 'chimera' metadata)")
+        sets = {}
+        keys = set(f.keys())
+        for name, m in json.loads(meta)["sets"].items():
+            prompts = [f.get_tensor(f"{name}/{i}/ids" if f"{name}/{i}/ids" in keys else f"{name}/{i}/embeds")
+                       for i in range(m["count"])]
+            sets[name] = PromptSet(m["role"], m["description"], prompts)
+    return sets

@@ -1,0 +1,72 @@
+"""The VLM's prompts for ``chimera quantize --family vlm`` (:mod:`core.quant.prompts`): the service's own kinds of
+traffic, as the service sends them to its LLM.
+
+- ``scene`` (held-out): questions about rendered scenes of the ``test`` split with ``test`` phrasings (what
+  ``chimera graft eval`` scores), each prompt the input embeddings the engine computes (tower, projector, chat
+  template: :meth:`grafting.model.GraftedVLM.embed`, what the vLLM backend sends as ``prompt_embeds``).
+- ``chat`` (held-out): the text-only prompts of :data:`grafting.train.evaluate.TEXT_PROMPTS` (chat template applied,
+  token ids, as the service sends text prompts).
+- ``search`` (selects units; never scored in the report): ``train``-split scenes with ``train`` phrasings and
+  other text prompts (:data:`SEARCH_CHAT_PROMPTS`).
+
+The worker answers each greedily with the reference LLM and scores the answers' positions.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from core.quant.prompts import PromptSet
+
+from ..config import VLMConfig
+from .evaluate import TEXT_PROMPTS
+from .scenes import ask, render, sample_scene
+
+SEARCH_CHAT_PROMPTS = [
+    "What is the tallest mountain?", "Write a short poem about rain.", "What is 9 plus 16?",
+    "Name a fruit that is yellow.", "How do birds fly?", "Give one tip for sleeping well.",
+    "What is the capital of Italy?", "Describe a forest in one sentence.",
+]
+
+
+def _scene_messages(rng: random.Random, split: str) -> list[dict]:
+    scene = sample_scene(rng, split)
+    q = ask(rng, scene, rng.choice(scene.question_types()), phrasing=split)
+    return [{"role": "user", "content": [{"type": "image", "image": render(scene)},
+                                         {"type": "text", "text": q["question"]}]}]
+
+
+@torch.inference_mode()
+def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldout: int = 48,
+                    scene_search: int = 8, chat_search: int = 8, seed: int = 0) -> dict[str, PromptSet]:
+    """The ``search``, ``scene`` and ``chat`` sets for the VLM of ``config`` (its tower, projector and LLM loaded
+    in-process from ``model_dir``: the transformers backend, no server). Counts as named; ``chat`` holds all
+    24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes. Raises OSError when a checkpoint is missing (run
+    ``chimera prepare``)."""
+    from ..engine import VLMEngine
+
+    engine = VLMEngine.from_config(config, model_dir)
+    try:
+        def embeds(messages: list[dict]) -> torch.Tensor:
+            p = engine.prepare(messages)
+            return engine.model.embed(p.input_ids, p.pixel_values, p.image_grid_thw)[0].float().cpu()
+
+        def ids(text: str) -> torch.Tensor:
+            return engine.prepare([{"role": "user", "content": text}]).input_ids[0].long().cpu()
+
+        rng = random.Random(seed)
+        search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
+        search += [ids(t) for t in SEARCH_CHAT_PROMPTS[:chat_search]]
+        return {
+            "search": PromptSet("search", f"{scene_search} train-split scene questions (image embeddings) and "
+                                          f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts", search),
+            "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
+                                          f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),
+            "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",
+                              [ids(t) for t in TEXT_PROMPTS]),
+        }
+    finally:
+        engine.close()
