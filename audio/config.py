@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from core.config import ConfigFieldError, Strict, VLLMOptions
+from core.config import ConfigFieldError, Strict, VLLMOptions, check_quantized_backend
 from core.constants import DTYPE_PATTERN
 from core.validate import SEED_LIMIT
 
@@ -147,6 +147,7 @@ class TTSConfig(Strict):
         ``voices`` lower-case (a request's voice is matched lower-cased), :data:`DEFAULT_SPEED` within
         ``[min_speed, max_speed]``, ``seed`` with ``|seed| < 2**63``; and ``min_frames <= max_frames``. Raises
         ConfigFieldError naming the key."""
+        check_quantized_backend(self.backend, self.vllm)
         upper = [v for v in self.voices if v != v.lower()]
         if upper:
             raise ConfigFieldError("voices", f"{upper} are not lower-case: a request's voice is matched lower-cased, "
