@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,18 +41,20 @@ def run_worker(spec: dict, spec_path: str | Path, echo: Callable[[str], None] = 
         raise QuantizeError(f"the quantization environment is missing ({python}): run `make install`")
     Path(spec_path).write_text(json.dumps(spec, indent=1))
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "TRANSFORMERS_VERBOSITY": "error", "LOGURU_LEVEL": "WARNING", "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen([python, "-m", "core.quant.worker", str(spec_path)], cwd=PROJECT_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            echo(line.rstrip("\n"))
-        err = proc.stderr.read()
-        rc = proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+           "TRANSFORMERS_VERBOSITY": "error", "LLM_COMPRESSOR_LOG_LEVEL": "WARNING", "TQDM_DISABLE": "1"}
+    with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a chatty stderr can never block the worker
+        proc = subprocess.Popen([python, "-m", "core.quant.worker", str(spec_path)], cwd=PROJECT_ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=errf, text=True)
+        try:
+            for line in proc.stdout:
+                echo(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        errf.seek(0)
+        err = errf.read()
     if rc != 0:
         tail = "\n".join(l for l in err.splitlines() if l.strip())[-2000:]
         raise QuantizeError(tail.splitlines()[-1] if rc == 2 and tail else f"the quantization worker failed "

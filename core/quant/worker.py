@@ -8,7 +8,8 @@ Steps, for a Llama-architecture LM in ``model_dir`` (float32 reference) and a pr
    are scored: the reference's next-token logits there are kept.
 2. A fake-quantized copy: llm-compressor's ``QuantizationModifier`` (round-to-nearest, the scheme's preset) on
    every unit, weights quantize-dequantized once; each unit is then switched on or off (its weights swapped, its
-   input-activation quantization enabled or not), so "unit quantized or not" is a toggle.
+   input activations quantized or not, with vLLM's numerics: :class:`Toggles`), so "unit quantized or not" is a
+   toggle and the KL measured is the KL of what vLLM serves.
 3. The selection (:mod:`core.quant.search`) on the ``search`` sets' KL; with ``compare_fractions`` every method's
    set at each fraction is scored too.
 4. The held-out report (:mod:`core.quant.kld`) per held-out set for the chosen set (and each compared one).
@@ -40,39 +41,62 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize activations as vLLM's int8 kernels do for W8A8 (dynamic, symmetric, per token): scale =
+    max|x| / 127 over the last dimension, ``round`` (half to even), clamp to [-128, 127]. compressed-tensors' own
+    fake quantization divides by 127.5 instead; vLLM's CPU kernel was measured to match this one (to 1e-4 nats on
+    log-probabilities, tests/test_quant_vllm.py), the other not (up to 0.07). Shapes and dtype kept."""
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.clamp(torch.round(x / s), -128, 127) * s
+
+
 class Toggles:
     """Per-unit quantization switches on a fake-quantized model (compressed-tensors modules after ``oneshot``).
 
-    Quantized weights are computed once (``forward_quantize`` with the module's scales) and the module marked
-    compressed, so its forward only quantizes its input activations; :meth:`set` swaps weights and enables or
-    disables that per unit."""
+    Quantized weights are computed once (``forward_quantize`` with the module's scales: exactly the int8 values and
+    scales the checkpoint stores) and swapped in or out per unit. Input activations: for W8A8 a forward pre-hook
+    with vLLM's numerics (:func:`int8_per_token`) on the units that are on, compressed-tensors' QDQ off; for the
+    other schemes compressed-tensors' own activation QDQ, enabled per unit (weight QDQ skipped: the weights are
+    already quantized). :meth:`set` switches."""
 
-    def __init__(self, model: torch.nn.Module, units: list[Unit]):
+    def __init__(self, model: torch.nn.Module, units: list[Unit], preset: str):
         from compressed_tensors.quantization import QuantizationStatus
         from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
         self.units = units
+        self.vllm_int8 = preset == "W8A8"
         self.modules = dict(model.named_modules())
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (full precision, fake-quantized)
+        self.active: set[str] = set()
         for u in units:
             for name in u.modules:
                 m = self.modules[name]
                 w = m.weight.data.clone()
                 with torch.no_grad():
                     wq = forward_quantize(m, w, "weight", m.quantization_scheme.weights)
-                m.quantization_status = QuantizationStatus.COMPRESSED  # forward: activations only
+                m.quantization_status = QuantizationStatus.COMPRESSED  # its forward: activations only
                 self.weights[name] = (w, wq)
+                if self.vllm_int8:
+                    m.register_forward_pre_hook(self._hook(name))
         self.on: frozenset[str] = frozenset(u.name for u in units)
         self.set(frozenset())
 
+    def _hook(self, name: str):
+        def pre(_module, args):
+            return (int8_per_token(args[0]),) + tuple(args[1:]) if name in self.active else None
+        return pre
+
     def set(self, names: frozenset[str]) -> None:
         """Quantize exactly the units ``names`` (unit names, ``"3.qkv"``)."""
+        self.active = set()
         for u in self.units:
             q = u.name in names
             for name in u.modules:
                 m = self.modules[name]
                 m.weight.data = self.weights[name][1 if q else 0]
-                m.quantization_enabled = q
+                m.quantization_enabled = q and not self.vllm_int8
+                if q:
+                    self.active.add(name)
         self.on = frozenset(names)
 
 
@@ -111,6 +135,19 @@ class Scorer:
         chunks = [position_stats(self.reference[n][i], self.logits(n, i), self.items[n][i][1])
                   for n in names for i in range(len(self.items[n]))]
         return concat(chunks)
+
+
+def _probe(scorer: Scorer, sets: dict, heldout_sets: list[str]) -> dict | None:
+    """The first held-out token-id prompt with its reference answer and the (fake-)quantized model's log-probability
+    of each answer token: what a server of the checkpoint must reproduce (vLLM's ``prompt_logprobs`` on
+    ``prompt_ids + answer_ids``). None when no held-out prompt is token ids."""
+    for name in heldout_sets:
+        for i, p in enumerate(sets[name].prompts):
+            if p.dtype == torch.int64:
+                answer = scorer.items[name][i][1]
+                logp = scorer.logits(name, i).double().log_softmax(-1).gather(-1, answer.unsqueeze(-1))[:, 0]
+                return {"set": name, "prompt_ids": p.tolist(), "answer_ids": answer.tolist(), "logp_q": logp.tolist()}
+    return None
 
 
 def _until_eos(answer: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -155,7 +192,7 @@ def run(spec: dict) -> dict:
     units = llama_units([n for n, _ in model.named_modules()])
     scorer = Scorer(model, sets, int(spec["answer_tokens"]), _eos_ids(model))
     oneshot(model=model, recipe=_recipe(sch.preset, ["lm_head"]))
-    toggles = Toggles(model, units)
+    toggles = Toggles(model, units, sch.preset)
     cache: dict[frozenset[str], float] = {}
 
     def kl_of(names: frozenset[str]) -> float:
@@ -201,6 +238,7 @@ def run(spec: dict) -> dict:
                 f"{rows[-1]['heldout']['all']['same_top_pct']:.2f} %")
     report = heldout(chosen)
     search_kl = kl_of(frozenset(chosen))
+    probe = _probe(scorer, sets, heldout_sets)  # toggles still set to `chosen`
 
     # the checkpoint: a fresh copy, only the chosen units quantized
     ignore = ["lm_head"] + [m for u in units if u.name not in set(chosen) for m in u.modules]
@@ -221,7 +259,7 @@ def run(spec: dict) -> dict:
               "answer_tokens": int(spec["answer_tokens"]),
               "sets": {n: {"role": s.role, "prompts": len(s.prompts), "description": s.description}
                        for n, s in sets.items()},
-              "search_kl": search_kl, "heldout": report, "compare": rows,
+              "search_kl": search_kl, "heldout": report, "compare": rows, "probe": probe,
               "seconds": round(time.perf_counter() - t0, 1)}
     write_fidelity(tmp, record)
     if out.exists():
