@@ -136,7 +136,7 @@ class TTSEngine:
         The client's text is always plain text: ``split_special_tokens=True`` makes the tokenizer read
         ``<|eot_id|>``, ``<|endoftext|>`` or any other special token's spelling as ordinary characters, so no
         text can forge a control id. The tokenizer's own template (Llama-3's ``<|begin_of_text|>``) is kept."""
-        return self.layout.prompt_ids(self.tokenizer(f"{voice}: {text}", split_special_tokens=True).input_ids)
+        return self.layout.speech_prompt(self.tokenizer, voice, text)
 
     def check_plain_text(self, voice: str, text: str) -> None:
         """Raise SpeechInputError (``input``, ``reserved_token_text``) when ``"{voice}: {text}"`` would still

@@ -42,6 +42,13 @@ class TokenLayout:
         c = self.cfg
         return [c.start_of_human, *text_ids, c.end_of_text, c.end_of_human, c.start_of_ai, c.start_of_speech]
 
+    def speech_prompt(self, tokenizer, voice: str, text: str) -> list[int]:
+        """Prompt ids for ``text`` in ``voice``: ``"{voice}: {text}"`` tokenized as plain text
+        (``split_special_tokens=True``: no text can forge a control id; the tokenizer's own template, Llama-3's
+        ``<|begin_of_text|>``, kept), then :meth:`prompt_ids`. The one prompt builder of the engine and of
+        ``chimera quantize --family tts``."""
+        return self.prompt_ids(tokenizer(f"{voice}: {text}", split_special_tokens=True).input_ids)
+
     def audio_id(self, position: int, code: int) -> int:
         """Token id of SNAC ``code`` at frame ``position``. Raises ValueError when either is out of range."""
         if not 0 <= position < self.positions or not 0 <= code < self.codebook_size:

@@ -15,7 +15,7 @@ import typer
 
 quantize_app = typer.Typer(add_completion=False, invoke_without_command=True,
                            help="Quantize a language model with measured fidelity (KL divergence).")
-FAMILIES = ("vlm",)
+FAMILIES = ("vlm", "tts")
 
 
 def _fractions(text: str | None) -> list[float]:
@@ -32,7 +32,8 @@ def _fractions(text: str | None) -> list[float]:
 
 @quantize_app.callback()
 def quantize(ctx: typer.Context,
-             family: str = typer.Option("vlm", help="whose language model: vlm (the speech LM: not yet)"),
+             family: str = typer.Option("vlm", help="whose language model: vlm (the grafted VLM's LLM) or tts "
+                                                    "(the speech LM; statistics over its audio ids)"),
              profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
              scheme: str = typer.Option("w8a8-int8", help="w8a8-int8 (CPU: AVX2/AVX512; CUDA), w4a16 (CPU with "
                                                           "AVX512; CUDA), fp8 (CUDA only)"),
@@ -42,12 +43,13 @@ def quantize(ctx: typer.Context,
              seed: int = typer.Option(0, help="random selection and scene draws"),
              shortlist: int = typer.Option(8, help="greedy: candidates tried per step (the least sensitive left)"),
              answer_tokens: int = typer.Option(32, help="greedy reference answer length scored per prompt"),
-             scene_prompts: int = typer.Option(48, help="held-out scene questions (with images)"),
-             search_prompts: int = typer.Option(8, help="search-set scene questions (plus 8 text prompts)"),
+             scene_prompts: int = typer.Option(48, help="vlm: held-out scene questions (with images)"),
+             search_prompts: int = typer.Option(8, help="vlm: search-set scene questions (plus 8 text prompts); "
+                                                        "tts: search utterances"),
              compare: str = typer.Option(None, help="also score every method at these fractions (e.g. "
                                                     "0.25,0.5,0.75) for the comparison table"),
              out: Path = typer.Option(None, help="checkpoint folder (default <model_dir>/<family>/"
-                                                 "llm-<scheme>-<select>-<fraction>)"),
+                                                 "llm-<scheme>-<select>-<fraction>, lm-... for tts)"),
              threads: int = typer.Option(None, help="torch threads of the worker (default: torch's)")):
     """Quantize, measure, write the checkpoint and fidelity.json; print the table. Exit 2: refused (unknown
     family, scheme, selection; a scheme this host cannot serve; a profile error); exit 1: the worker failed."""
@@ -70,7 +72,7 @@ def quantize(ctx: typer.Context,
     except UnsupportedSchemeError as e:
         refuse(str(e))
     if family not in FAMILIES:
-        refuse(f"--family {family!r}: one of {', '.join(FAMILIES)} (the speech LM is not quantized yet)")
+        refuse(f"--family {family!r}: one of {', '.join(FAMILIES)}")
     if select not in METHODS:
         refuse(f"--select {select!r}: one of {', '.join(METHODS)}")
     frac = {"none": 0.0, "all": 1.0}.get(select, fraction)
@@ -80,21 +82,29 @@ def quantize(ctx: typer.Context,
         refuse(f"--select {select} needs --fraction in [0, 1]")
     fractions = _fractions(compare)
     prof = _load(profile)
-    if prof.vlm is None:
-        refuse(f"profile {prof.name} has no vlm section")
+    section = getattr(prof, family)
+    if section is None:
+        refuse(f"profile {prof.name} has no {family} section")
     from core.config import resolve_path
-    from grafting.train.quant_prompts import vlm_prompt_sets
-
-    model_dir = prof.resolved_model_dir()
-    cfg = prof.vlm.engine
-    llm_dir = resolve_path(model_dir, cfg.llm)
-    out = out or model_dir / family / (f"llm-{scheme}-{select}" + ("" if select in ("none", "all") else f"-{frac:g}"))
     from core.quant.prompts import write_prompts
 
+    model_dir = prof.resolved_model_dir()
+    cfg = section.engine
+    llm_dir = resolve_path(model_dir, cfg.llm if family == "vlm" else cfg.lm)
+    name = f"{'llm' if family == 'vlm' else 'lm'}-{scheme}-{select}"
+    out = out or model_dir / family / (name + ("" if select in ("none", "all") else f"-{frac:g}"))
     with tempfile.TemporaryDirectory(prefix="chimera-quantize-") as tmp:
         typer.echo(f"prompts: building the search and held-out sets ({prof.name} profile)")
-        sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=scene_prompts, scene_search=search_prompts, seed=seed)
-        prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
+        if family == "vlm":
+            from grafting.train.quant_prompts import vlm_prompt_sets
+
+            sets, vocab = vlm_prompt_sets(cfg, model_dir, scene_heldout=scene_prompts, scene_search=search_prompts,
+                                          seed=seed), None
+        else:
+            from audio.quant_prompts import tts_prompt_sets
+
+            sets, vocab = tts_prompt_sets(cfg, model_dir, search=search_prompts)
+        prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets, vocab)
         spec = {"model_dir": str(llm_dir), "prompts": str(prompts), "out": str(Path(out).resolve()),
                 "scheme": scheme, "select": select, "fraction": frac, "seed": seed, "shortlist": shortlist,
                 "answer_tokens": answer_tokens, "compare_fractions": fractions, "family": family,

@@ -329,3 +329,30 @@ def test_kv_formula_equals_the_cache_transformers_really_allocates():
         got = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         b = next(model.parameters()).element_size()  # the config's torch_dtype, bfloat16: 2 bytes
         assert b == 2 and got == kv_bytes_per_token({**cfg, "num_hidden_layers": 2}, b) * tokens, repo
+
+
+def test_memory_plan_counts_a_quantized_llm_at_its_weight_bits(tmp_path):
+    """``vlm.engine.vllm.quantized`` (an FP8 checkpoint of GLM-4-9B with every unit quantized, as its
+    fidelity.json lists them) shrinks the LLM weights in vLLM's share by the quantized units' bytes: per layer
+    qkv 4096 x (32 + 2 x 2) x 128 = 18,874,368, o 16,777,216, gate_up 2 x 4096 x 13696 = 112,197,632, down
+    56,098,816 = 203,948,032 weights, x 40 layers, 1 byte saved each (bf16 -> fp8), over the 2 GPUs of tensor
+    parallelism. Before the checkpoint is made, the plan counts full precision and says so."""
+    from core.quant.fidelity import write_fidelity
+    from services.config.memory_plan import GIB, plan
+
+    def llm_gib(p):
+        vlm = next(pl for pl in p.placements if pl.owner == "vlm[0]")
+        return float(re.search(r"llm weights ([0-9.]+) GiB", " ".join(vlm.notes)).group(1)), vlm.notes
+
+    data = load_profile("gpu").model_dump(mode="json")
+    base, _ = llm_gib(plan(parse_profile(data), 80 * GB))
+    ck = tmp_path / "glm-fp8"
+    data["vlm"]["engine"]["vllm"]["quantized"] = str(ck)
+    missing, notes = llm_gib(plan(parse_profile(data), 80 * GB))
+    assert missing == base and any("not made yet" in n for n in notes)
+    ck.mkdir()
+    units = [f"{i}.{k}" for i in range(40) for k in ("qkv", "o", "gate_up", "down")]
+    write_fidelity(ck, {"scheme": "fp8", "quantized_units": units, "units_total": 160, "reference": {"sha256": "-"}})
+    quant, _ = llm_gib(plan(parse_profile(data), 80 * GB))
+    saved = 203_948_032 * 40 * 1 // 2
+    assert quant == pytest.approx(base - saved / GIB, abs=0.011)  # both notes round to 0.01 GiB

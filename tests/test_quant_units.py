@@ -241,3 +241,53 @@ def test_runner_without_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("CHIMERA_QUANT_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(QuantizeError, match="run `make install`"):
         run_worker({"out": str(tmp_path)}, tmp_path / "spec.json")
+
+
+def test_prompt_file_round_trip_with_score_vocab(tmp_path):
+    from core.quant.prompts import PromptSet, read_prompts, write_prompts
+
+    sets = {"search": PromptSet("search", "ids", [torch.tensor([1, 2, 3])]),
+            "scene": PromptSet("heldout", "embeds", [torch.ones(4, 8), torch.zeros(2, 8)])}
+    path = write_prompts(tmp_path / "p.safetensors", sets, (100, 200))
+    back, vocab = read_prompts(path)
+    assert vocab == (100, 200) and list(back) == ["search", "scene"]
+    assert back["search"].prompts[0].tolist() == [1, 2, 3] and back["scene"].prompts[1].shape == (2, 8)
+    assert read_prompts(write_prompts(tmp_path / "q.safetensors", sets))[1] is None
+    with pytest.raises(ValueError, match="want"):
+        write_prompts(tmp_path / "r.safetensors", {"s": PromptSet("search", "", [torch.ones(3)])})
+    with pytest.raises(ValueError, match="role"):
+        write_prompts(tmp_path / "r.safetensors", {"s": PromptSet("train", "", [torch.tensor([1])])})
+
+
+def test_tts_prompts_are_the_engines_prompts(profile, model_dir):
+    """The speech prompts are what the engine sends its LM (one builder: ``TokenLayout.speech_prompt``), and the
+    score vocabulary is the layout's audio range."""
+    from transformers import AutoTokenizer
+
+    from audio.layout import TokenLayout
+    from audio.quant_prompts import HELDOUT_TEXTS, tts_prompt_sets
+    from core.config import resolve_path
+
+    cfg = profile.tts.engine
+    sets, vocab = tts_prompt_sets(cfg, model_dir, search=2)
+    layout = TokenLayout(cfg.layout)
+    assert vocab == (layout.audio_start, layout.audio_end)
+    assert len(sets["speech"].prompts) == len(HELDOUT_TEXTS) and len(sets["search"].prompts) == 2
+    tok = AutoTokenizer.from_pretrained(resolve_path(model_dir, cfg.tokenizer or cfg.lm))
+    assert sets["speech"].prompts[1].tolist() == layout.speech_prompt(tok, cfg.voices[1], HELDOUT_TEXTS[1])
+    assert sets["speech"].prompts[0][-1].item() == cfg.layout.start_of_speech
+
+
+def test_units_of_a_checkpoint_with_fused_gate_up_and_their_sizes():
+    """GLM-4 stores gate and up fused (``mlp.gate_up_proj``): the same four units. Sizes from a config by hand:
+    hidden 8, 2 heads of 4, 1 KV head, MLP 16: qkv 8 x (2 + 2) x 4 = 128, o 64, gate_up 256, down 128."""
+    from core.quant.units import quantized_weight_saving, unit_params
+
+    names = [f"model.layers.0.{r}" for r in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    units = llama_units(names)
+    assert [u.name for u in units] == ["0.qkv", "0.o", "0.gate_up", "0.down"]
+    assert units[2].modules == ("model.layers.0.mlp.gate_up_proj",)
+    cfg = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
+    assert [unit_params(cfg, k) for k in ("qkv", "o", "gate_up", "down")] == [128, 64, 256, 128]
+    assert quantized_weight_saving(cfg, ["0.qkv", "0.down"], 4, 8) == (128 + 128) * 3  # fp32 -> int8

@@ -181,3 +181,42 @@ def test_cpu_profile_serves_a_quantized_smollm2(profile, model_dir, tmp_path_fac
     assert text.usage.completion_tokens >= 1 and text.choices[0].message.content
     assert img.usage.completion_tokens >= 1 and img.choices[0].message.content
     assert img.usage.prompt_tokens > text.usage.prompt_tokens  # the image's tokens went in
+
+
+def test_speech_lm_quantized_and_served_as_measured(profile, model_dir, tmp_path_factory):
+    """``chimera quantize --family tts`` on the cpu profile's speech LM (2 layers, 8 units: greedy to half, every
+    method compared at 0.5; statistics over the audio ids), then vLLM serving it (``tts.engine.vllm.quantized``)
+    reproduces the worker's log-probabilities of the probe utterance's audio ids within LOGPROB_TOL."""
+    from typer.testing import CliRunner
+
+    from audio.config import TTSConfig
+    from services.cli import app
+    from services.engines.vllm_server import start_vllm_for
+
+    out = tmp_path_factory.mktemp("speech") / "lm-w8a8"
+    r = CliRunner().invoke(app, ["quantize", "--family", "tts", "--select", "greedy", "--fraction", "0.5",
+                                 "--compare", "0.5", "--search-prompts", "2", "--answer-tokens", "14",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads((out / "fidelity.json").read_text())
+    layout = profile.tts.engine.layout
+    audio_end = layout.audio_start + layout.positions * layout.codebook_size
+    assert record["family"] == "tts" and record["score_vocab"] == [layout.audio_start, audio_end]
+    assert len(record["quantized_units"]) == 4 and record["heldout"]["speech"]["n"] == 24 * 14
+    probe = record["probe"]
+    assert all(layout.audio_start <= t < audio_end for t in probe["answer_ids"])
+
+    data = profile.tts.engine.model_dump(mode="json")
+    data.update(backend="vllm")
+    data["vllm"].update(quantized=str(out), kv_cache_memory_bytes=1 << 26)
+    client = start_vllm_for(TTSConfig(**data), model_dir)
+    try:
+        assert client.server.wait_ready(600), client.server.log_tail()
+        sdk = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="none")
+        res = sdk.completions.create(model=SERVED_NAME, prompt=probe["prompt_ids"] + probe["answer_ids"],
+                                     max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0})
+    finally:
+        client.close()
+    plp, start = res.choices[0].prompt_logprobs, len(probe["prompt_ids"])
+    got = [plp[start + j][str(t)]["logprob"] for j, t in enumerate(probe["answer_ids"])]
+    assert max(abs(a - b) for a, b in zip(got, probe["logp_q"])) < LOGPROB_TOL, (got, probe["logp_q"])

@@ -5,8 +5,9 @@ projector) and ``.venv-quant`` (which knows only the language model).
 Each prompt is one tensor: ``"<set>/<i>/ids"`` ``(T,)`` int64 token ids, or ``"<set>/<i>/embeds"`` ``(T, H)``
 float32 input embeddings (prompts with images: exactly what the service sends vLLM as ``prompt_embeds``). The
 metadata key ``"chimera"`` holds JSON ``{"sets": {set: {"role": "search" | "heldout", "count": n,
-"description": str}}}``. The worker answers every prompt greedily with the reference model and scores the
-answer's positions.
+"description": str}}, "score_vocab": [start, end] | null}``. The worker answers every prompt greedily with the
+reference model and scores the answer's positions; with ``score_vocab`` (the speech LM's audio ids) both the
+answers and the statistics are restricted to the ids ``start <= id < end``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class PromptSet:
     prompts: list[torch.Tensor] = field(default_factory=list)
 
 
-def write_prompts(path: str | Path, sets: dict[str, PromptSet]) -> Path:
-    """Save ``sets`` to ``path`` (safetensors). Raises ValueError for an unknown role, an empty set, or a prompt
+def write_prompts(path: str | Path, sets: dict[str, PromptSet], score_vocab: tuple[int, int] | None = None) -> Path:
+    """Save ``sets`` (and ``score_vocab``) to ``path`` (safetensors). Raises ValueError for an unknown role, an empty set, or a prompt
     that is neither ``(T,)`` int64 nor ``(T, H)`` float32, or a set name containing ``/``."""
     from safetensors.torch import save_file
 
@@ -48,12 +49,14 @@ def write_prompts(path: str | Path, sets: dict[str, PromptSet]) -> Path:
                 raise ValueError(f"prompt {name}/{i}: {tuple(p.shape)} {p.dtype}, want (T,) int64 or (T, H) float32")
         meta[name] = {"role": s.role, "count": len(s.prompts), "description": s.description}
     path = Path(path)
-    save_file(tensors, str(path), metadata={"chimera": json.dumps({"sets": meta})})
+    vocab = list(score_vocab) if score_vocab is not None else None
+    save_file(tensors, str(path), metadata={"chimera": json.dumps({"sets": meta, "score_vocab": vocab})})
     return path
 
 
-def read_prompts(path: str | Path) -> dict[str, PromptSet]:
-    """The sets of a file written by :func:`write_prompts`. Raises ValueError when its metadata is missing."""
+def read_prompts(path: str | Path) -> tuple[dict[str, PromptSet], tuple[int, int] | None]:
+    """The sets and the score vocabulary of a file written by :func:`write_prompts`. Raises ValueError when its
+    metadata is missing."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -62,8 +65,10 @@ def read_prompts(path: str | Path) -> dict[str, PromptSet]:
             raise ValueError(f"{path} is not a chimera prompt file (no 'chimera' metadata)")
         sets = {}
         keys = set(f.keys())
-        for name, m in json.loads(meta)["sets"].items():
+        meta = json.loads(meta)
+        for name, m in meta["sets"].items():
             prompts = [f.get_tensor(f"{name}/{i}/ids" if f"{name}/{i}/ids" in keys else f"{name}/{i}/embeds")
                        for i in range(m["count"])]
             sets[name] = PromptSet(m["role"], m["description"], prompts)
-    return sets
+    vocab = meta.get("score_vocab")
+    return sets, (tuple(vocab) if vocab else None)

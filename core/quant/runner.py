@@ -41,7 +41,7 @@ def run_worker(spec: dict, spec_path: str | Path, echo: Callable[[str], None] = 
         raise QuantizeError(f"the quantization environment is missing ({python}): run `make install`")
     Path(spec_path).write_text(json.dumps(spec, indent=1))
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "TRANSFORMERS_VERBOSITY": "error", "LLM_COMPRESSOR_LOG_LEVEL": "WARNING", "TQDM_DISABLE": "1"}
+           "TRANSFORMERS_VERBOSITY": "error", "LLM_COMPRESSOR_LOG_LEVEL": "ERROR", "TQDM_DISABLE": "1"}
     with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a chatty stderr can never block the worker
         proc = subprocess.Popen([python, "-m", "core.quant.worker", str(spec_path)], cwd=PROJECT_ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=errf, text=True)

@@ -103,8 +103,10 @@ class Toggles:
 class Scorer:
     """Scores a model's answers to the prompts against the reference's stored logits."""
 
-    def __init__(self, model: torch.nn.Module, sets: dict, answer_tokens: int, eos_ids: list[int]):
+    def __init__(self, model: torch.nn.Module, sets: dict, answer_tokens: int, eos_ids: list[int],
+                 vocab: tuple[int, int] | None = None):
         self.model = model
+        self.vocab = vocab
         self.items: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # set -> (embeds, targets, start)
         self.reference: dict[str, list[torch.Tensor]] = {}
         embed = model.get_input_embeddings()
@@ -115,7 +117,7 @@ class Scorer:
                     e = embed(p.unsqueeze(0)) if p.dtype == torch.int64 else p.unsqueeze(0).float()
                     out = model.generate(inputs_embeds=e, attention_mask=torch.ones(e.shape[:2], dtype=torch.long),
                                          max_new_tokens=answer_tokens, do_sample=False, eos_token_id=eos_ids,
-                                         pad_token_id=eos_ids[0])
+                                         pad_token_id=eos_ids[0], logits_processor=_within(vocab))
                     answer = _until_eos(out[0], eos_ids)  # with inputs_embeds, generate returns the new tokens only
                     full = torch.cat([e, embed(answer[:-1].unsqueeze(0))], 1)  # position start + j predicts answer[j]
                 items.append((full.detach(), answer, e.shape[1] - 1))
@@ -124,30 +126,54 @@ class Scorer:
             log(f"reference: {name}: {len(items)} prompts, {sum(a.numel() for _, a, _ in items)} answer tokens")
 
     @torch.no_grad()
-    def logits(self, name: str, i: int) -> torch.Tensor:
-        """The model's next-token logits at the answer positions of prompt ``i`` of set ``name``: ``(A, V)``."""
+    def logits(self, name: str, i: int, full: bool = False) -> torch.Tensor:
+        """The model's next-token logits at the answer positions of prompt ``i`` of set ``name``: ``(A, V)``, over
+        the score vocabulary (the whole vocabulary when there is none, or with ``full``)."""
         e, answer, start = self.items[name][i]
         h = self.model.model(inputs_embeds=e).last_hidden_state[0, start:start + answer.numel()]
-        return self.model.lm_head(h).float()
+        logits = self.model.lm_head(h).float()
+        return logits if self.vocab is None or full else logits[:, self.vocab[0]:self.vocab[1]]
+
+    def targets(self, name: str, i: int) -> torch.Tensor:
+        """The answer tokens of prompt ``i`` of set ``name`` as indices into :meth:`logits`' last dimension."""
+        answer = self.items[name][i][1]
+        return answer if self.vocab is None else answer - self.vocab[0]
 
     def stats(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-position statistics (:func:`core.quant.kld.position_stats`) over the sets ``names``."""
-        chunks = [position_stats(self.reference[n][i], self.logits(n, i), self.items[n][i][1])
+        chunks = [position_stats(self.reference[n][i], self.logits(n, i), self.targets(n, i))
                   for n in names for i in range(len(self.items[n]))]
         return concat(chunks)
 
 
 def _probe(scorer: Scorer, sets: dict, heldout_sets: list[str]) -> dict | None:
     """The first held-out token-id prompt with its reference answer and the (fake-)quantized model's log-probability
-    of each answer token: what a server of the checkpoint must reproduce (vLLM's ``prompt_logprobs`` on
-    ``prompt_ids + answer_ids``). None when no held-out prompt is token ids."""
+    of each answer token over the whole vocabulary: what a server of the checkpoint must reproduce (vLLM's
+    ``prompt_logprobs`` on ``prompt_ids + answer_ids``). None when no held-out prompt is token ids."""
     for name in heldout_sets:
         for i, p in enumerate(sets[name].prompts):
             if p.dtype == torch.int64:
                 answer = scorer.items[name][i][1]
-                logp = scorer.logits(name, i).double().log_softmax(-1).gather(-1, answer.unsqueeze(-1))[:, 0]
+                logp = scorer.logits(name, i, full=True).double().log_softmax(-1)
+                logp = logp.gather(-1, answer.unsqueeze(-1))[:, 0]
                 return {"set": name, "prompt_ids": p.tolist(), "answer_ids": answer.tolist(), "logp_q": logp.tolist()}
     return None
+
+
+def _within(vocab: tuple[int, int] | None):
+    """A transformers logits-processor list keeping only the ids ``vocab[0] <= id < vocab[1]`` (empty: no
+    restriction)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    if vocab is None:
+        return LogitsProcessorList()
+
+    class Within(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            out = torch.full_like(scores, float("-inf"))
+            out[:, vocab[0]:vocab[1]] = scores[:, vocab[0]:vocab[1]]
+            return out
+    return LogitsProcessorList([Within()])
 
 
 def _until_eos(answer: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -182,7 +208,7 @@ def run(spec: dict) -> dict:
     model_dir, out = Path(spec["model_dir"]), Path(spec["out"])
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    sets = read_prompts(spec["prompts"])
+    sets, vocab = read_prompts(spec["prompts"])
     search_sets = [n for n, s in sets.items() if s.role == "search"]
     heldout_sets = [n for n, s in sets.items() if s.role == "heldout"]
     if not search_sets or not heldout_sets:
@@ -190,7 +216,7 @@ def run(spec: dict) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     units = llama_units([n for n, _ in model.named_modules()])
-    scorer = Scorer(model, sets, int(spec["answer_tokens"]), _eos_ids(model))
+    scorer = Scorer(model, sets, int(spec["answer_tokens"]), _eos_ids(model), vocab)
     oneshot(model=model, recipe=_recipe(sch.preset, ["lm_head"]))
     toggles = Toggles(model, units, sch.preset)
     cache: dict[frozenset[str], float] = {}
@@ -256,7 +282,7 @@ def run(spec: dict) -> dict:
               "fraction": fraction, "seed": int(spec.get("seed", 0)), "shortlist": spec.get("shortlist"),
               "units_total": len(units), "quantized_units": chosen, "ignore": ignore,
               "reference": {"path": str(model_dir), "sha256": weights_sha256(model_dir)},
-              "answer_tokens": int(spec["answer_tokens"]),
+              "answer_tokens": int(spec["answer_tokens"]), "score_vocab": list(vocab) if vocab else None,
               "sets": {n: {"role": s.role, "prompts": len(s.prompts), "description": s.description}
                        for n, s in sets.items()},
               "search_kl": search_kl, "heldout": report, "compare": rows, "probe": probe,

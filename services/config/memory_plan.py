@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from core.memory import Need, read_config
+from core.memory import DTYPE_BYTES, Need, read_config
 
 from .profiles import CONFIG_DIR, Profile
 
@@ -115,6 +115,31 @@ def _vllm_share(options, gpu_bytes: int) -> Need:
     return Need("vLLM share", int(util * gpu_bytes), f"gpu_memory_utilization {util:g} x {gpu_bytes / GIB:.1f} GiB")
 
 
+def _quantized(needs: list[Need], what: str, engine, lm_config: dict, dtype_bytes: int, model_dir: Path,
+               divide: int, notes: list[str]) -> list[Need]:
+    """``needs`` with the LM weights (``what``) as the ``vllm.quantized`` checkpoint holds them: the units its
+    ``fidelity.json`` lists at the scheme's weight bits (:func:`core.quant.units.quantized_weight_saving`), over
+    ``divide`` GPUs. Unchanged, with a note, while that checkpoint is not made yet."""
+    if engine.backend != "vllm" or engine.vllm.quantized is None:
+        return needs
+    from core.config import resolve_path
+    from core.quant.fidelity import QuantizedCheckpointError, read_fidelity
+    from core.quant.schemes import scheme
+    from core.quant.units import quantized_weight_saving
+
+    path = resolve_path(model_dir, engine.vllm.quantized)
+    try:
+        rec = read_fidelity(path)
+    except QuantizedCheckpointError:
+        notes.append(f"quantized checkpoint {path} not made yet (`chimera quantize`): weights counted at full "
+                     f"precision")
+        return needs
+    sch = scheme(rec["scheme"])
+    saving = quantized_weight_saving(lm_config, rec["quantized_units"], dtype_bytes, sch.weight_bits) // divide
+    units = f"{len(rec['quantized_units'])}/{rec['units_total']} units {sch.name} ({sch.weight_bits}-bit weights)"
+    return [Need(n.what, n.bytes - saving, f"{n.how}, {units}") if n.what == what else n for n in needs]
+
+
 def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, owner: str) -> Placement:
     from grafting.memory import vlm_needs
 
@@ -125,6 +150,8 @@ def _vlm(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, own
     proj = read_config(proj_dir) if (proj_dir / "config.json").exists() else None
     n = vlm_needs(e, tower.get("vision_config", tower), llm, proj, len(gpus))
     pl = Placement(owner, gpus, first=n.replica + [_ctx()])
+    n = replace(n, llm=_quantized(n.llm, "llm weights", e, llm, DTYPE_BYTES[e.vllm.dtype or e.dtype], model_dir,
+                                  len(gpus), pl.notes))
     kv = Need("kv cache, one full sequence", n.kv_per_sequence, f"{n.context} tokens (prompt + new) per GPU")
     if proj is None:
         pl.notes.append(f"projector sizes assumed (no {proj_dir / 'config.json'}): {e.projector}")
@@ -151,13 +178,15 @@ def _tts(profile: Profile, model_dir: Path, gpus: list[int], gpu_bytes: int, own
 
     s = profile.tts
     e = s.engine
-    needs = tts_needs(e, read_config(config_dir(model_dir, e.lm)), read_config(config_dir(model_dir, e.snac)),
-                      s.deployment.max_ongoing_requests)
+    lm = read_config(config_dir(model_dir, e.lm))
+    needs = tts_needs(e, lm, read_config(config_dir(model_dir, e.snac)), s.deployment.max_ongoing_requests)
+    notes: list[str] = []
+    needs = _quantized(needs, "lm weights", e, lm, DTYPE_BYTES[e.dtype], model_dir, 1, notes)
     if e.backend != "vllm":
         return Placement(owner, gpus, first=needs + [_ctx()])
     # vLLM's server holds the LM (weights, KV cache, activations) inside its share; the replica keeps SNAC
     in_vllm = [n for n in needs if n.what.startswith(("lm ", "kv "))]
-    pl = Placement(owner, gpus, first=[n for n in needs if n not in in_vllm] + [_ctx()])
+    pl = Placement(owner, gpus, first=[n for n in needs if n not in in_vllm] + [_ctx()], notes=notes)
     pl.per_gpu = [_vllm_share(e.vllm, gpu_bytes)]
     share = pl.per_gpu[0].bytes
     inside = in_vllm + [_ctx()]
