@@ -91,7 +91,7 @@ test-speech-vllm: prepare
 
 # Each prints ratios measured side by side in one run (the machine is noisy; absolute times are not the point).
 # All of them run even if one fails; then make fails, naming the failed ones.
-BENCHES := service_overhead service_memory vlm_batching vlm_serving tts_latency tts_concurrency video_chaining sparse_attention video_speed load tower_shape_probe tts_stream_loop vllm_client_pool
+BENCHES := service_overhead service_memory vlm_batching vlm_serving quantization tts_latency tts_concurrency video_chaining sparse_attention video_speed load tower_shape_probe tts_stream_loop vllm_client_pool
 bench: prepare
 	@failed=""; for b in $(BENCHES); do echo "== bench/$$b.py"; \
 	  $(BIN)/python bench/$$b.py || failed="$$failed $$b"; done; \
