@@ -60,7 +60,7 @@ def quantize(ctx: typer.Context,
     from core.quant.schemes import UnsupportedSchemeError, require_host
     from core.quant.search import METHODS
 
-    from .cli import _load
+    from .config.profiles import ProfileError, load_profile
 
     def refuse(msg: str):
         typer.echo(f"chimera quantize: {msg}", err=True)
@@ -81,7 +81,10 @@ def quantize(ctx: typer.Context,
     if frac is None or not 0 <= frac <= 1:
         refuse(f"--select {select} needs --fraction in [0, 1]")
     fractions = _fractions(compare)
-    prof = _load(profile)
+    try:
+        prof = load_profile(profile)
+    except ProfileError as err:
+        refuse(str(err))
     section = getattr(prof, family)
     if section is None:
         refuse(f"profile {prof.name} has no {family} section")
