@@ -51,7 +51,7 @@ def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model
 
     from services.api.app import build_app
     from services.deployments.backends import LocalBackend
-    from services.deployments.vlm import Deployment
+    from services.deployments.vlm import Deployment, _replica_name
     from services.config.profiles import parse_profile
     from tests.conftest import data_url
 
@@ -65,8 +65,11 @@ def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model
                                          {"type": "text", "text": "What is in this picture?"}]}]
     text = None
 
+    replica = f'replica="{_replica_name(id(dep.engine.model.image_cache))}"'  # this deployment's series only
+
     def sample(name: str) -> float:
-        line = next((x for x in text.splitlines() if x.startswith(name + "{") and 'model="chimera-vlm"' in x), None)
+        line = next((x for x in text.splitlines() if x.startswith(name + "{") and 'model="chimera-vlm"' in x
+                     and replica in x), None)
         return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
     async def go():

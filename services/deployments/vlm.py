@@ -123,17 +123,19 @@ class Deployment(EngineDeployment):
         out = {"collapse": dataclasses.asdict(report)}
         cache = self.engine.model.image_cache
         if cache is not None:
-            out["image_cache"] = {"replica": _replica_name(), "stats": cache.stats().as_dict()}
+            out["image_cache"] = {"replica": _replica_name(id(cache)), "stats": cache.stats().as_dict()}
         return out
 
 
-def _replica_name() -> str:
-    """This Ray Serve replica's id (the process id outside Ray Serve)."""
+def _replica_name(local: int) -> str:
+    """This Ray Serve replica's id; outside Ray Serve (LocalBackend: tests, notebooks) the process id and ``local``
+    (the deployment's image cache's id), so two deployments in one process keep apart the cumulative counters the
+    ingress folds into /metrics (``services.api.metrics.observe_image_cache``)."""
     try:
         from ray import serve
 
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - not inside a Serve replica (LocalBackend: tests, notebooks)
-        return f"pid{os.getpid()}"
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return f"pid{os.getpid()}-{local:x}"
 
 
