@@ -58,7 +58,7 @@ def quantize(ctx: typer.Context,
     from core.quant.report import comparison_table
     from core.quant.runner import QuantizeError, run_worker
     from core.quant.schemes import UnsupportedSchemeError, require_host
-    from core.quant.search import METHODS
+    from core.quant.search import selection_fraction
 
     from .config.profiles import ProfileError, load_profile
 
@@ -73,13 +73,10 @@ def quantize(ctx: typer.Context,
         refuse(str(e))
     if family not in FAMILIES:
         refuse(f"--family {family!r}: one of {', '.join(FAMILIES)}")
-    if select not in METHODS:
-        refuse(f"--select {select!r}: one of {', '.join(METHODS)}")
-    frac = {"none": 0.0, "all": 1.0}.get(select, fraction)
-    if select in ("none", "all") and fraction not in (None, frac):
-        refuse(f"--select {select} quantizes {'no' if select == 'none' else 'every'} unit: no --fraction")
-    if frac is None or not 0 <= frac <= 1:
-        refuse(f"--select {select} needs --fraction in [0, 1]")
+    try:
+        frac = selection_fraction(select, fraction)
+    except ValueError as e:
+        refuse(str(e))
     fractions = _fractions(compare)
     try:
         prof = load_profile(profile)

@@ -71,19 +71,32 @@ def random_subset(units: list[Unit], n: int, seed: int) -> list[str]:
     return [u.name for u in units if u.name in picked]
 
 
+def selection_fraction(method: str, fraction: float | None) -> float:
+    """The fraction of units ``method`` quantizes: 0.0 for ``none`` and 1.0 for ``all`` (``fraction`` None or that
+    value), else ``fraction`` itself. The one check of a ``--select``/``--fraction`` pair (the CLI refuses with its
+    message before any work). Raises ValueError for an unknown method, a fraction that contradicts ``none``/``all``,
+    or a missing or out-of-range one for the others."""
+    if method not in METHODS:
+        raise ValueError(f"unknown selection --select {method!r}: one of {', '.join(METHODS)}")
+    if method in ("none", "all"):
+        fixed = 0.0 if method == "none" else 1.0
+        if fraction is not None and fraction != fixed:
+            raise ValueError(f"--select {method} quantizes {'no' if method == 'none' else 'every'} unit: no "
+                             f"--fraction (its fraction is {fixed}, not {fraction})")
+        return fixed
+    if fraction is None or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--select {method} needs --fraction in [0, 1]" + ("" if fraction is None else
+                                                                            f", not {fraction}"))
+    return fraction
+
+
 def select(method: str, units: list[Unit], fraction: float, kl_of: KLFunction, seed: int = 0,
            shortlist: int | None = 8, sens: dict[str, float] | None = None,
            log: Callable[[str], None] | None = None) -> list[str]:
-    """The unit names ``method`` quantizes at ``fraction`` (``none`` and ``all`` ignore it only in the sense that
-    they are defined by it being 0 and 1: pass 0.0 or 1.0, anything else is refused). ``sens``: a precomputed
-    :func:`sensitivity` (else computed here when needed). Raises ValueError for an unknown method or a
-    fraction that contradicts ``none``/``all``."""
-    if method not in METHODS:
-        raise ValueError(f"unknown selection {method!r}: one of {', '.join(METHODS)}")
-    if method in ("none", "all") and fraction != (0.0 if method == "none" else 1.0):
-        raise ValueError(f"--select {method} quantizes {'no' if method == 'none' else 'every'} unit: "
-                         f"its fraction is {0.0 if method == 'none' else 1.0}, not {fraction}")
-    n = unit_count(units, fraction)
+    """The unit names ``method`` quantizes at ``fraction`` (checked by :func:`selection_fraction`: ``none`` and
+    ``all`` take 0.0 and 1.0). ``sens``: a precomputed :func:`sensitivity` (else computed here when needed).
+    Raises ValueError as :func:`selection_fraction` does."""
+    n = unit_count(units, selection_fraction(method, fraction))
     if method == "random":
         return random_subset(units, n, seed)
     if method in ("none", "all"):
