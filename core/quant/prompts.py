@@ -32,8 +32,8 @@ class PromptSet:
 
 
 def write_prompts(path: str | Path, sets: dict[str, PromptSet], score_vocab: tuple[int, int] | None = None) -> Path:
-    """Save ``sets`` (and ``score_vocab``) to ``path`` (safetensors). Raises ValueError for an unknown role, an empty set, or a prompt
-    that is neither ``(T,)`` int64 nor ``(T, H)`` float32, or a set name containing ``/``."""
+    """Save ``sets`` (and ``score_vocab``) to ``path`` (safetensors). Raises ValueError for an unknown role, an
+    empty set, a prompt that is neither ``(T,)`` int64 nor ``(T, H)`` float32, or a set name containing ``/``."""
     from safetensors.torch import save_file
 
     tensors, meta = {}, {}

@@ -78,7 +78,6 @@ class Toggles:
                 self.weights[name] = (w, wq)
                 if self.vllm_int8:
                     m.register_forward_pre_hook(self._hook(name))
-        self.on: frozenset[str] = frozenset(u.name for u in units)
         self.set(frozenset())
 
     def _hook(self, name: str):
@@ -97,7 +96,6 @@ class Toggles:
                 m.quantization_enabled = q and not self.vllm_int8
                 if q:
                     self.active.add(name)
-        self.on = frozenset(names)
 
 
 class Scorer:
@@ -227,11 +225,16 @@ def run(spec: dict) -> dict:
             cache[names] = float(scorer.stats(search_sets)["kld"].mean())
         return cache[names]
 
-    def heldout(names: list[str]) -> dict:
-        toggles.set(frozenset(names))
-        rep = {n: summarize(scorer.stats([n])) for n in heldout_sets}
-        rep["all"] = summarize(scorer.stats(heldout_sets))
-        return rep
+    reports: dict[frozenset[str], dict] = {}
+
+    def heldout(names: list[str]) -> dict:  # each held-out set scored once per unit set
+        key = frozenset(names)
+        if key not in reports:
+            toggles.set(key)
+            per_set = {n: scorer.stats([n]) for n in heldout_sets}
+            reports[key] = {n: summarize(st) for n, st in per_set.items()}
+            reports[key]["all"] = summarize(concat(list(per_set.values())))
+        return reports[key]
 
     method, fraction = spec["select"], float(spec["fraction"])
     compare = [float(f) for f in spec.get("compare_fractions") or []]
@@ -242,7 +245,8 @@ def run(spec: dict) -> dict:
             f"({time.perf_counter() - t0:.0f} s)")
     path = None
     if method == "greedy" or compare:
-        n_max = max([unit_count(units, f) for f in compare] + [unit_count(units, fraction) if method == "greedy" else 0])
+        n_max = max([unit_count(units, f) for f in compare]
+                    + [unit_count(units, fraction) if method == "greedy" else 0])
         path = greedy_path(kl_of, units, n_max, sens, spec.get("shortlist"), log)
     if method == "greedy":
         chosen = [name for name, _ in path[:unit_count(units, fraction)]]
@@ -264,7 +268,8 @@ def run(spec: dict) -> dict:
                 f"{rows[-1]['heldout']['all']['same_top_pct']:.2f} %")
     report = heldout(chosen)
     search_kl = kl_of(frozenset(chosen))
-    probe = _probe(scorer, sets, heldout_sets)  # toggles still set to `chosen`
+    toggles.set(frozenset(chosen))  # the probe is scored on the chosen set (the caches above may not have set it)
+    probe = _probe(scorer, sets, heldout_sets)
 
     # the checkpoint: a fresh copy, only the chosen units quantized
     ignore = ["lm_head"] + [m for u in units if u.name not in set(chosen) for m in u.modules]
