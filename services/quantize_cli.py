@@ -43,7 +43,7 @@ def quantize(ctx: typer.Context,
              seed: int = typer.Option(0, help="random selection and scene draws"),
              shortlist: int = typer.Option(8, help="greedy: candidates tried per step (the least sensitive left)"),
              answer_tokens: int = typer.Option(32, help="greedy reference answer length scored per prompt"),
-             scene_prompts: int = typer.Option(48, help="vlm: held-out scene questions (with images)"),
+             scene_prompts: int = typer.Option(None, help="vlm: held-out scene questions (with images; default 48)"),
              search_prompts: int = typer.Option(8, help="vlm: search-set scene questions (plus 8 text prompts); "
                                                         "tts: search utterances"),
              compare: str = typer.Option(None, help="also score every method at these fractions (e.g. "
@@ -73,6 +73,8 @@ def quantize(ctx: typer.Context,
         refuse(str(e))
     if family not in FAMILIES:
         refuse(f"--family {family!r}: one of {', '.join(FAMILIES)}")
+    if family == "tts" and scene_prompts is not None:
+        refuse("--scene-prompts is the VLM's held-out scene questions: the speech LM has none (--family tts)")
     try:
         frac = selection_fraction(select, fraction)
     except ValueError as e:
@@ -98,8 +100,8 @@ def quantize(ctx: typer.Context,
         if family == "vlm":
             from grafting.train.quant_prompts import vlm_prompt_sets
 
-            sets, vocab = vlm_prompt_sets(cfg, model_dir, scene_heldout=scene_prompts, scene_search=search_prompts,
-                                          seed=seed), None
+            held = {} if scene_prompts is None else {"scene_heldout": scene_prompts}  # else the builder's default
+            sets, vocab = vlm_prompt_sets(cfg, model_dir, scene_search=search_prompts, seed=seed, **held), None
         else:
             from audio.quant_prompts import tts_prompt_sets
 

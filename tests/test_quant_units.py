@@ -215,6 +215,7 @@ def test_served_checkpoint_refuses_a_foreign_checkpoint(tmp_path):
     (["--select", "greedy"], "needs --fraction"),
     (["--family", "video"], "--family 'video'"),
     (["--fraction", "0.5", "--compare", "0.5,2"], "every fraction must be in (0, 1)"),
+    (["--family", "tts", "--fraction", "0.5", "--scene-prompts", "4"], "the speech LM has none"),
 ])
 def test_quantize_cli_refusals(args, message):
     from typer.testing import CliRunner
