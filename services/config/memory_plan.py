@@ -120,7 +120,7 @@ def _quantized(needs: list[Need], what: str, engine, lm_config: dict, dtype_byte
     """``needs`` with the LM weights (``what``) as the ``vllm.quantized`` checkpoint holds them: the units its
     ``fidelity.json`` lists at the scheme's weight bits (:func:`core.quant.units.quantized_weight_saving`), over
     ``divide`` GPUs. Unchanged, with a note, while that checkpoint is not made yet."""
-    if engine.backend != "vllm" or engine.vllm.quantized is None:
+    if engine.vllm.quantized is None:  # set only with the vllm backend (a profile check)
         return needs
     from core.config import resolve_path
     from core.quant.fidelity import QuantizedCheckpointError, read_fidelity
