@@ -292,3 +292,22 @@ def test_units_of_a_checkpoint_with_fused_gate_up_and_their_sizes():
     cfg = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
     assert [unit_params(cfg, k) for k in ("qkv", "o", "gate_up", "down")] == [128, 64, 256, 128]
     assert quantized_weight_saving(cfg, ["0.qkv", "0.down"], 4, 8) == (128 + 128) * 3  # fp32 -> int8
+
+
+def test_serve_refuses_a_quantized_checkpoint_before_ray_starts(tmp_path, profile, model_dir):
+    """``chimera serve`` with ``vlm.engine.vllm.quantized`` naming a folder without ``fidelity.json``: exit 2 with
+    the reason, and no Ray started (the check runs before it)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    data = profile.model_dump(mode="json")
+    data["model_dir"] = str(model_dir)
+    data["vlm"]["engine"]["vllm"]["quantized"] = str(tmp_path / "not-quantized")
+    (tmp_path / "not-quantized").mkdir()
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = CliRunner().invoke(app, ["serve", "--profile", str(path)])
+    assert r.exit_code == 2, r.output
+    assert "vlm.engine.vllm.quantized:" in r.output and "fidelity.json is missing" in r.output
