@@ -11,7 +11,10 @@ the same steps with the same optimiser (AdamW, 5% warmup, cosine):
    parameters), from scratch (seeded), same heads: MoonViT with a convolutional stem (Xiao et al. 2021,
    arXiv:2106.14881), what ``chimera graft pretrain-tower --source scenes --patch-stem conv`` trains;
    ``convstem16``: the same with Xiao's stem (patches resampled to 16 px, four stride-2 3x3 convolutions 24/48/96/192
-   wide, 1x1 projection; ``--stem-patch 16 --stem-strides 2,2,2,2 --stem-channels 24,48,96,192``); ``--save DIR``
+   wide, 1x1 projection; ``--stem-patch 16 --stem-strides 2,2,2,2 --stem-channels 24,48,96,192``);
+   ``convstem16deep``: the CNN yardstick's trunk as the stem (16-px patches, seven 3x3 convolutions, strides
+   2,1,2,1,2,1,2, widths 32/32/64/64/128/128/192, 1x1 projection; ``--stem-strides 2,1,2,1,2,1,2
+   --stem-channels 32,32,64,64,128,128,192``); ``--save DIR``
    keeps each (``save_pretrained`` + processor) in ``DIR/<name>`` for grafting;
 3. ``cnn``, a reference: a plain 6-layer CNN (3x3 convolutions, BatchNorm, GELU, 0.44M parameters at width 32) with
    the same heads on the mean of its 8x8 feature map. It is a yardstick for the data, not a tower.
@@ -89,7 +92,7 @@ def main() -> None:
     ap.add_argument("--canvas", type=int, default=112)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="moonvit,convstem,cnn",
-                    help="comma list of moonvit, convstem, convstem16, cnn")
+                    help="comma list of moonvit, convstem, convstem16, convstem16deep, cnn")
     ap.add_argument("--save", default=None, help="save each trained conv-stem tower (+ processor) in DIR/<name>")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
@@ -102,6 +105,9 @@ def main() -> None:
              "convstem16": lambda: TowerClassifier(build_random_tower(build_tower_config(
                  192, 3, 4, 512, 32, 32, patch_stem="conv", stem_channels=[24, 48, 96, 192], stem_strides=[2, 2, 2, 2],
                  stem_patch=16), a.seed), HEADS),
+             "convstem16deep": lambda: TowerClassifier(build_random_tower(build_tower_config(
+                 192, 3, 4, 512, 32, 32, patch_stem="conv", stem_channels=[32, 32, 64, 64, 128, 128, 192],
+                 stem_strides=[2, 1, 2, 1, 2, 1, 2], stem_patch=16), a.seed), HEADS),
              "cnn": ReferenceCNN}
     models = {k: build[k]().train() for k in a.models.split(",")}
     for name, m in models.items():
