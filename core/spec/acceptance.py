@@ -52,3 +52,28 @@ def from_vllm_counters(drafts: float, accepted: float, accepted_per_pos: list[fl
     return {"drafts": int(drafts), "num_speculative_tokens": k, "mean_acceptance_length": 1.0 + accepted / drafts,
             "acceptance_rate": accepted / drafts / max(k, 1),
             "acceptance_rate_per_position": [a / drafts for a in accepted_per_pos]}
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+
+
+def counters_from_metrics(text: str) -> tuple[float, float, list[float]]:
+    """``(drafts, accepted, accepted_per_pos)`` from the Prometheus text of a vLLM server's ``/metrics``: the
+    counters :func:`from_vllm_counters` takes, summed over engines, positions in order. Zeros and ``[]`` when the
+    server has no speculative decoding."""
+    drafts = accepted = 0.0
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if metric == SPEC_COUNTERS[0]:
+            drafts += float(value)
+        elif metric == SPEC_COUNTERS[1]:
+            accepted += float(value)
+        elif metric == SPEC_COUNTERS[2]:
+            pos = int(name.split('position="', 1)[1].split('"', 1)[0])
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+    return drafts, accepted, [per_pos[i] for i in sorted(per_pos)]

@@ -179,6 +179,9 @@ def run(spec: dict) -> dict:
     config = AutoConfig.from_pretrained(verifier)
     n_layers = config.num_hidden_layers
     layer_ids = spec.get("layer_ids") or [2, n_layers // 2, n_layers - 3]
+    if not layer_ids or not all(0 < k < n_layers for k in layer_ids):
+        raise ValueError(f"layer_ids {layer_ids}: layers k with 0 < k < {n_layers} (the residual stream after "
+                         f"layer k; HF's state after the last layer is post-norm, vLLM's is not)")
     model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
     eos = GenerationConfig.from_pretrained(verifier).eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -224,7 +227,7 @@ def run(spec: dict) -> dict:
         if step % max(1, steps // 10) == 0 or step == steps:
             acc = " ".join(f"{float(metrics[f'full_acc_{k}_sum'] / metrics[f'full_acc_{k}_total'].clamp_min(1)):.3f}"
                            for k in range(ttt))
-            log(f"train: step {step}/{steps}: loss {float(loss):.4f}, draft accuracy by step {acc} "
+            log(f"train: step {step}/{steps}: loss {loss.item():.4f}, draft accuracy by step {acc} "
                 f"({time.time() - t0:.0f} s)")
     head.eval()
     heldout = {}
