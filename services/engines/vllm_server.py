@@ -25,6 +25,10 @@ from .process import ServerProcess, ServerSpec
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
+EAGLE_EMBEDS_REFUSAL = (
+    "an EAGLE-3 head is not served for the VLM with vLLM 0.32: its image prompts are prompt_embeds, and vLLM's "
+    "EAGLE proposer fails on them (gpu_input_batch.get_token_id: 'provided via prompt_embeds, and its ID is "
+    "unknown'), killing the engine; use method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
 
 
@@ -111,11 +115,19 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     ``eagle`` draft; for ``eagle3`` the head's folder resolved against ``model_dir`` (like the engine's
     checkpoints) once :func:`core.spec.record.verify_head` accepts it for the LM (its ``speculator.json``, written
     by ``chimera speculator train``, names the LM's own weights: a head trained for other weights would stay
-    lossless but propose garbage). Raises SpeculatorError (a ValueError) naming the failed check."""
+    lossless but propose garbage). An ``eagle3`` head for the VLM is refused for now: the VLM sends image prompts
+    as ``prompt_embeds`` and vLLM 0.32's EAGLE proposer then reads a prompt token id that does not exist
+    (``vllm/v1/spec_decode/llm_base_proposer.py:1065`` ``prepare_next_token_ids_padded`` ->
+    ``vllm/v1/worker/gpu_input_batch.py:78`` ``ValueError: ... provided via prompt_embeds, and its ID is
+    unknown``), which kills the engine (measured, tests/test_spec_vllm.py). Raises SpeculatorError (a ValueError)
+    naming the failed check."""
     s = config.vllm.speculative
     if s is None or s.method != "eagle3":
         return s
-    from core.spec.record import verify_head
+    from core.spec.record import SpeculatorError, verify_head
+
+    if not isinstance(config, TTSConfig):
+        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
 
     reference = resolve_path(model_dir, config.lm if isinstance(config, TTSConfig) else config.llm)
     head = resolve_path(model_dir, s.model)
