@@ -3,8 +3,9 @@ measured acceptance, and print the report.
 
 ``chimera speculator train`` has the LLM answer the cpu profile's prompts greedily (self-distillation: text chat
 prompts as token ids, the graft's scene questions as the image embeddings the service sends), trains the head on
-its hidden states and writes a checkpoint in speculators' format with ``speculator.json`` (served by the profile
-option ``vlm.engine.vllm.speculative: {method: eagle3, model: <folder>, num_speculative_tokens: 3}``);
+its hidden states and writes a checkpoint in speculators' format with ``speculator.json`` (what vLLM's
+``--speculative-config '{"method": "eagle3", "model": <folder>, "num_speculative_tokens": 3}'`` loads; the VLM
+profile refuses it for now, :func:`services.engines.vllm_server.served_speculation` says why);
 ``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
 the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`).
 """
