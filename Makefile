@@ -47,9 +47,28 @@ $(QUANT_VENV)/.installed: Makefile
 	$(QUANT_BIN)/python -c "import llmcompressor, compressed_tensors; print('llmcompressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)"
 	touch $@
 
+# speculators (``chimera speculator train``'s worker, core/spec/worker.py: the EAGLE-3 draft model and the checkpoint
+# format vLLM loads) pins torch <= 2.14.1 and transformers <= 5.19 and requires torchaudio and torchvision, which it
+# never imports: resolved freely on a clean venv, pip replaces the CPU torch with torch 2.14.1's CUDA build (about
+# 6 GB of nvidia-* wheels) to match them. So a fourth venv: CPU torch 2.13 first, then speculators without its
+# dependencies and those it imports, listed from its metadata (torch kept; transformers as tested). The last line proves it imports.
+SPEC_VENV ?= .venv-spec
+SPEC_BIN  := $(SPEC_VENV)/bin
+SPEC_DEPS := aiohttp click "datasets>=4.0.0,<=5.1.0" httpx huggingface-hub "loguru>=0.7.2,<=0.7.3" \
+	"numpy>=2.0.0,<=2.5.4" "openai>=2.0.0" protobuf psutil "pydantic>=2.0.0" "pydantic-settings>=2.0.0" rich \
+	safetensors "tqdm>=4.66.3,<=4.70.1" transformers==5.17.0 "typer>=0.12.0" hs-connectors==0.9.0
+$(SPEC_VENV)/.installed: Makefile
+	test -x $(SPEC_BIN)/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_BIN)/pip install -q --upgrade pip
+	$(SPEC_BIN)/pip install -q torch==2.13.0
+	$(SPEC_BIN)/pip install -q --no-deps speculators==0.9.0
+	$(SPEC_BIN)/pip install -q $(SPEC_DEPS) torch==2.13.0
+	$(SPEC_BIN)/python -c "import torch, transformers; from importlib.metadata import version; from speculators.models.eagle3 import Eagle3DraftModel; print('speculators', version('speculators'), 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
 # The venvs are independent: built side by side (most of it is downloading and unpacking wheels).
 install:
-	$(MAKE) -j2 $(VENV)/.installed $(VLLM_VENV)/.installed $(QUANT_VENV)/.installed
+	$(MAKE) -j2 $(VENV)/.installed $(VLLM_VENV)/.installed $(QUANT_VENV)/.installed $(SPEC_VENV)/.installed
 
 prepare: install
 	$(BIN)/chimera prepare --profile $(PROFILE)

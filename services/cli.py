@@ -3,7 +3,8 @@
 ``chimera prepare [--profile cpu]`` builds the profile's model directory once (idempotent);
 ``chimera serve [--profile cpu]`` starts Ray Serve with the whole application;
 ``chimera graft ...`` trains, evaluates and prepares grafts (see ``grafting/train/cli.py``);
-``chimera quantize ...`` quantizes a language model with measured fidelity (``services/quantize_cli.py``).
+``chimera quantize ...`` quantizes a language model with measured fidelity (``services/quantize_cli.py``);
+``chimera speculator ...`` trains EAGLE-3 draft heads with measured acceptance (``services/speculator_cli.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grafting.train.cli import graft_app
 
 from .config.profiles import ProfileError, load_profile
 from .quantize_cli import quantize_app
+from .speculator_cli import speculator_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Chimera: multimodal inference service.")
 BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build"}
@@ -27,6 +29,7 @@ BUILDERS = {"vlm": "grafting.build", "video": "video.build", "tts": "audio.build
 # The grafting commands (synth, pretrain-tower, train, eval) live with the model code.
 app.add_typer(graft_app, name="graft", help="Train, evaluate and prepare vision-LLM grafts.")
 app.add_typer(quantize_app, name="quantize")
+app.add_typer(speculator_app, name="speculator")
 
 
 def _load(profile: str):
@@ -232,10 +235,12 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
 
 def _check_quantized(prof) -> None:
     """Refuse (exit 2, with the reason) a profile serving a quantized checkpoint that must not be served (no or
-    foreign ``fidelity.json``, a scheme this host cannot run) before Ray starts."""
+    foreign ``fidelity.json``, a scheme this host cannot run) or an EAGLE-3 head that must not be (no or foreign
+    ``speculator.json``) before Ray starts."""
     from core.quant.fidelity import QuantizedCheckpointError
+    from core.spec.record import SpeculatorError
 
-    from .engines.vllm_server import served_checkpoint
+    from .engines.vllm_server import served_checkpoint, served_speculation
 
     for fam in ("vlm", "tts"):
         section = getattr(prof, fam)
@@ -245,6 +250,11 @@ def _check_quantized(prof) -> None:
             served_checkpoint(section.engine, prof.resolved_model_dir())
         except QuantizedCheckpointError as err:
             typer.echo(f"{fam}.engine.vllm.quantized: {err}", err=True)
+            raise typer.Exit(2) from None
+        try:
+            served_speculation(section.engine, prof.resolved_model_dir())
+        except SpeculatorError as err:
+            typer.echo(f"{fam}.engine.vllm.speculative: {err}", err=True)
             raise typer.Exit(2) from None
 
 

@@ -257,7 +257,7 @@ def test_prompt_file_round_trip_with_score_vocab(tmp_path):
     with pytest.raises(ValueError, match="want"):
         write_prompts(tmp_path / "r.safetensors", {"s": PromptSet("search", "", [torch.ones(3)])})
     with pytest.raises(ValueError, match="role"):
-        write_prompts(tmp_path / "r.safetensors", {"s": PromptSet("train", "", [torch.tensor([1])])})
+        write_prompts(tmp_path / "r.safetensors", {"s": PromptSet("fit", "", [torch.tensor([1])])})
 
 
 def test_tts_prompts_are_the_engines_prompts(profile, model_dir):

@@ -5,7 +5,9 @@ projector) and ``.venv-quant`` (which knows only the language model).
 Each prompt is one tensor: ``"<set>/<i>/ids"`` ``(T,)`` int64 token ids, or ``"<set>/<i>/embeds"`` ``(T, H)``
 float32 input embeddings (prompts with images: exactly what the service sends vLLM as ``prompt_embeds``). The
 metadata key ``"chimera"`` holds JSON ``{"sets": {set: {"role": "search" | "heldout", "count": n,
-"description": str}}, "score_vocab": [start, end] | null}``. The worker answers every prompt greedily with the
+"description": str}}, "score_vocab": [start, end] | null}``. Roles: ``search`` (the quantization worker's unit
+selection), ``train`` (the speculator worker's training set, :mod:`core.spec.worker`), ``heldout`` (both
+workers' reports). The quantization worker answers every prompt greedily with the
 reference model and scores the answer's positions; with ``score_vocab`` (the speech LM's audio ids) both the
 answers and the statistics are restricted to the ids ``start <= id < end``.
 """
@@ -18,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-ROLES = ("search", "heldout")
+ROLES = ("search", "train", "heldout")
 
 
 @dataclass
 class PromptSet:
-    """One named set: ``role`` (``search``: selects units; ``heldout``: the report), ``description`` and its
+    """One named set: ``role`` (``search``: selects units; ``train``: trains a draft head; ``heldout``: the
+    report), ``description`` and its
     ``prompts``, each ``(T,)`` int64 ids or ``(T, H)`` float32 embeddings."""
 
     role: str

@@ -32,18 +32,21 @@ def quant_python() -> str:
     return os.environ.get(QUANT_PYTHON_ENV) or str(in_project(QUANT_PYTHON))
 
 
-def run_worker(spec: dict, spec_path: str | Path, echo: Callable[[str], None] = print) -> dict:
-    """Write ``spec`` to ``spec_path``, run the worker on it and return the ``fidelity.json`` it wrote in
-    ``spec["out"]``. ``echo`` gets each progress line. Raises QuantizeError when the interpreter is missing (run
-    ``make install``) or the worker fails (its last stderr lines in the message)."""
-    python = quant_python()
+def run_module(python: str, module: str, spec: dict, spec_path: str | Path, error: type[Exception],
+               what: str, echo: Callable[[str], None] = print, env: dict[str, str] | None = None) -> None:
+    """Write ``spec`` to ``spec_path`` and run ``python -m module spec_path`` from the project root (``core``
+    importable): the files-on-disk interface of the workers that live in their own environments
+    (:mod:`core.quant.worker`, :mod:`core.spec.worker`). ``echo`` gets each stdout line as it comes; stderr goes
+    to a file (a chatty stderr can never block the worker). ``env``: extra environment variables. Raises
+    ``error(message, returncode)`` when ``python`` is missing (run ``make install``) or the worker exits non-zero:
+    exit 2 (it refused the spec) with its last stderr line, else ``what`` failed with the last stderr lines."""
     if not Path(python).exists():
-        raise QuantizeError(f"the quantization environment is missing ({python}): run `make install`")
+        raise error(f"the {what} environment is missing ({python}): run `make install`", None)
     Path(spec_path).write_text(json.dumps(spec, indent=1))
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "TRANSFORMERS_VERBOSITY": "error", "LLM_COMPRESSOR_LOG_LEVEL": "ERROR", "TQDM_DISABLE": "1"}
-    with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a chatty stderr can never block the worker
-        proc = subprocess.Popen([python, "-m", "core.quant.worker", str(spec_path)], cwd=PROJECT_ROOT, env=env,
+           "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1", **(env or {})}
+    with tempfile.TemporaryFile("w+") as errf:
+        proc = subprocess.Popen([python, "-m", module, str(spec_path)], cwd=PROJECT_ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=errf, text=True)
         try:
             for line in proc.stdout:
@@ -57,8 +60,16 @@ def run_worker(spec: dict, spec_path: str | Path, echo: Callable[[str], None] = 
         err = errf.read()
     if rc != 0:
         tail = "\n".join(l for l in err.splitlines() if l.strip())[-2000:]
-        raise QuantizeError(tail.splitlines()[-1] if rc == 2 and tail else f"the quantization worker failed "
-                            f"(exit {rc}):\n{tail}", rc)
+        raise error(tail.splitlines()[-1] if rc == 2 and tail else f"the {what} worker failed (exit {rc}):\n{tail}",
+                    rc)
+
+
+def run_worker(spec: dict, spec_path: str | Path, echo: Callable[[str], None] = print) -> dict:
+    """Write ``spec`` to ``spec_path``, run the worker on it (:func:`run_module`) and return the ``fidelity.json``
+    it wrote in ``spec["out"]``. ``echo`` gets each progress line. Raises QuantizeError when the interpreter is
+    missing (run ``make install``) or the worker fails (its last stderr lines in the message)."""
+    run_module(quant_python(), "core.quant.worker", spec, spec_path, QuantizeError, "quantization", echo,
+               {"LLM_COMPRESSOR_LOG_LEVEL": "ERROR"})
     from .fidelity import read_fidelity
 
     return read_fidelity(spec["out"])

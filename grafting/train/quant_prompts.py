@@ -1,15 +1,15 @@
-"""The VLM's prompts for ``chimera quantize --family vlm`` (:mod:`core.quant.prompts`): the service's own kinds of
-traffic, as the service sends them to its LLM.
+"""The VLM's prompts for ``chimera quantize --family vlm`` and ``chimera speculator train``
+(:mod:`core.quant.prompts`): the service's own kinds of traffic, as the service sends them to its LLM.
 
 - ``scene`` (held-out): questions about rendered scenes of the ``test`` split with ``test`` phrasings (what
   ``chimera graft eval`` scores), each prompt the input embeddings the engine computes (tower, projector, chat
   template: :meth:`grafting.model.GraftedVLM.embed`, what the vLLM backend sends as ``prompt_embeds``).
 - ``chat`` (held-out): the text-only prompts of :data:`grafting.train.evaluate.TEXT_PROMPTS` (chat template applied,
   token ids, as the service sends text prompts).
-- ``search`` (selects units; never scored in the report): ``train``-split scenes with ``train`` phrasings and
-  other text prompts (:data:`SEARCH_CHAT_PROMPTS`).
+- ``search`` (selects units; never scored in the report), or ``train`` for the speculator (trains the draft head):
+  ``train``-split scenes with ``train`` phrasings and other text prompts (:data:`SEARCH_CHAT_PROMPTS`).
 
-The worker answers each greedily with the reference LLM and scores the answers' positions.
+The worker answers each greedily with the reference LLM and scores (or trains on) the answers' positions.
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ def _scene_messages(rng: random.Random, split: str) -> list[dict]:
 
 @torch.inference_mode()
 def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldout: int = 48,
-                    scene_search: int = 8, chat_search: int = 8, seed: int = 0) -> dict[str, PromptSet]:
-    """The ``search``, ``scene`` and ``chat`` sets for the VLM of ``config`` (its tower, projector and LLM loaded
-    in-process from ``model_dir``: the transformers backend, no server). Counts as named; ``chat`` holds all
-    24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes. Raises OSError when a checkpoint is missing (run
-    ``chimera prepare``)."""
+                    scene_search: int = 8, chat_search: int = 8, seed: int = 0,
+                    fit: str = "search") -> dict[str, PromptSet]:
+    """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
+    the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
+    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
+    Raises ValueError for another ``fit``, OSError when a checkpoint is missing (run ``chimera prepare``)."""
+    if fit not in ("search", "train"):
+        raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
     from ..engine import VLMEngine
 
     engine = VLMEngine.from_config(config, model_dir)
@@ -61,7 +64,7 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
         search += [ids(t) for t in SEARCH_CHAT_PROMPTS[:chat_search]]
         return {
-            "search": PromptSet("search", f"{scene_search} train-split scene questions (image embeddings) and "
+            fit: PromptSet(fit, f"{scene_search} train-split scene questions (image embeddings) and "
                                           f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts", search),
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
                                           f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from audio import vllm_ext
 from audio.config import TTSConfig
-from core.config import VLLMOptions, in_project, resolve_path
+from core.config import Speculation, VLLMOptions, in_project, resolve_path
 from core.constants import SERVED_NAME
 from core.vllm_client import VLLMClient
 from grafting.config import VLMConfig
@@ -25,6 +25,10 @@ from .process import ServerProcess, ServerSpec
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
+EAGLE_EMBEDS_REFUSAL = (
+    "an EAGLE-3 head is not served for the VLM with vLLM 0.32: its image prompts are prompt_embeds, and vLLM's "
+    "EAGLE proposer fails on them (gpu_input_batch.get_token_id: 'provided via prompt_embeds, and its ID is "
+    "unknown'), killing the engine; use method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
 
 
@@ -106,13 +110,41 @@ def served_checkpoint(config: VLMConfig | TTSConfig, model_dir: str | Path | Non
     return path
 
 
+def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> Speculation | None:
+    """The ``vllm.speculative`` block vLLM gets for ``config``: unchanged for none, n-gram or a ``draft_model`` /
+    ``eagle`` draft; for ``eagle3`` the head's folder resolved against ``model_dir`` (like the engine's
+    checkpoints) once :func:`core.spec.record.verify_head` accepts it for the LM (its ``speculator.json``, written
+    by ``chimera speculator train``, names the LM's own weights: a head trained for other weights would stay
+    lossless but propose garbage). An ``eagle3`` head for the VLM is refused for now: the VLM sends image prompts
+    as ``prompt_embeds`` and vLLM 0.32's EAGLE proposer then reads a prompt token id that does not exist
+    (``vllm/v1/spec_decode/llm_base_proposer.py:1065`` ``prepare_next_token_ids_padded`` ->
+    ``vllm/v1/worker/gpu_input_batch.py:78`` ``ValueError: ... provided via prompt_embeds, and its ID is
+    unknown``), which kills the engine (measured, tests/test_spec_vllm.py). Raises SpeculatorError (a ValueError)
+    naming the failed check."""
+    s = config.vllm.speculative
+    if s is None or s.method != "eagle3":
+        return s
+    from core.spec.record import SpeculatorError, verify_head
+
+    if not isinstance(config, TTSConfig):
+        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
+
+    reference = resolve_path(model_dir, config.lm if isinstance(config, TTSConfig) else config.llm)
+    head = resolve_path(model_dir, s.model)
+    verify_head(head, reference)
+    return s.model_copy(update={"model": head})
+
+
 def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
     """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
     ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
     ``client.close()`` stops it). Raises FileNotFoundError when the engine interpreter is missing (run
     ``make install``); QuantizedCheckpointError for a ``vllm.quantized`` checkpoint that must not be served
-    (:func:`served_checkpoint`)."""
+    (:func:`served_checkpoint`); SpeculatorError for an ``eagle3`` head that must not be served
+    (:func:`served_speculation`)."""
     path = served_checkpoint(config, model_dir)
+    config = config.model_copy(update={"vllm": config.vllm.model_copy(
+        update={"speculative": served_speculation(config, model_dir)})})
     spec = speech_server_spec(config, path) if isinstance(config, TTSConfig) else server_spec(config, path)
     server = ServerProcess(spec)
     return VLLMClient(server.start())

@@ -1,0 +1,71 @@
+"""``speculator.json``: what ``chimera speculator train`` measured for a draft head, and the check a server runs
+before it serves one.
+
+The file sits in the head's folder beside ``config.json`` (speculators' format). It records the verifier's
+SHA-256 (:func:`core.quant.fidelity.weights_sha256`), the training settings, the prompt sets and the acceptance
+per set (:func:`core.spec.acceptance.acceptance_summary`), so a head trained for other weights than the profile's
+LLM is refused instead of served (it would stay lossless, but propose garbage).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.quant.fidelity import weights_sha256
+
+SPECULATOR_FILE = "speculator.json"
+FORMAT_VERSION = 1
+
+
+class SpeculatorError(ValueError):
+    """A draft head that must not be served: no or unreadable ``speculator.json``, trained for other weights, or
+    not an EAGLE-3 checkpoint in speculators' format. The message names the fix."""
+
+
+def write_record(head_dir: str | Path, record: dict) -> Path:
+    """Write ``record`` (with ``format`` added) as ``<head_dir>/speculator.json``; returns its path."""
+    path = Path(head_dir) / SPECULATOR_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"format": FORMAT_VERSION, **record}, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_record(head_dir: str | Path) -> dict:
+    """The parsed ``speculator.json`` of ``head_dir``. Raises SpeculatorError when it is missing, unreadable or of
+    another format version."""
+    path = Path(head_dir) / SPECULATOR_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpeculatorError(f"{path} is missing: only a head written by `chimera speculator train` (which "
+                              f"measures its acceptance) is served") from None
+    except (OSError, ValueError) as e:
+        raise SpeculatorError(f"{path} is unreadable ({e}): train the head again") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+        raise SpeculatorError(f"{path} is not a speculator record of format {FORMAT_VERSION}: train the head again")
+    return record
+
+
+def verify_head(head_dir: str | Path, verifier_dir: str | Path) -> dict:
+    """Check that the EAGLE-3 head in ``head_dir`` was trained for the LLM in ``verifier_dir`` and return its
+    record: ``speculator.json`` readable, its verifier hash equal to that of ``verifier_dir``, ``config.json`` a
+    speculators ``eagle3`` config. Raises SpeculatorError naming the first failed check."""
+    record = read_record(head_dir)
+    try:
+        have = weights_sha256(verifier_dir)
+    except FileNotFoundError as e:
+        raise SpeculatorError(str(e)) from None
+    want = record.get("verifier_sha256")
+    if want != have:
+        raise SpeculatorError(f"{head_dir} was trained for other weights than {verifier_dir} (sha256 "
+                              f"{str(want)[:12]}... vs {have[:12]}...): train it again with "
+                              f"`chimera speculator train`")
+    try:
+        cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SpeculatorError(f"{head_dir}/config.json is unreadable ({e})") from None
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise SpeculatorError(f"{head_dir}/config.json is not a speculators EAGLE-3 config")
+    return record

@@ -1,0 +1,94 @@
+"""``chimera speculator``: train an EAGLE-3 draft head for the VLM's LLM on the service's kinds of traffic, with
+measured acceptance, and print the report.
+
+``chimera speculator train`` has the LLM answer the cpu profile's prompts greedily (self-distillation: text chat
+prompts as token ids, the graft's scene questions as the image embeddings the service sends), trains the head on
+its hidden states and writes a checkpoint in speculators' format with ``speculator.json`` (what vLLM's
+``--speculative-config '{"method": "eagle3", "model": <folder>, "num_speculative_tokens": 3}'`` loads; the VLM
+profile refuses it for now, :func:`services.engines.vllm_server.served_speculation` says why);
+``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
+the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import typer
+
+speculator_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                             help="Train and inspect EAGLE-3 draft heads (speculative decoding) for the VLM's LLM.")
+
+
+@speculator_app.command("train")
+def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.yaml) or path"),
+          out: Path = typer.Option(None, help="head folder (default <model_dir>/vlm/speculator-eagle3)"),
+          steps: int = typer.Option(400, min=1, help="training steps (one packed batch each)"),
+          lr: float = typer.Option(1e-3, min=0.0, help="AdamW peak learning rate (5 % warm-up, cosine)"),
+          tokens: int = typer.Option(3, min=1, help="draft tokens per step (training-time test steps; serve with "
+                                                    "this num_speculative_tokens)"),
+          draft_vocab: int = typer.Option(8192, min=1, help="draft vocabulary: the most frequent answer tokens"),
+          answer_tokens: int = typer.Option(64, min=2, help="greedy answer length per prompt (EOS ends it sooner)"),
+          train_scenes: int = typer.Option(32, min=0, help="train-split scene questions in the training set (plus "
+                                                          "8 text prompts)"),
+          heldout_scenes: int = typer.Option(16, min=1, help="held-out test-split scene questions (plus 24 text "
+                                                             "prompts)"),
+          pack_tokens: int = typer.Option(2048, min=16, help="tokens per packed training batch"),
+          seed: int = typer.Option(0, help="scene draws, initialisation and batch order"),
+          threads: int = typer.Option(2, min=1, help="torch threads of the worker")):
+    """Distill, train, measure acceptance on the held-out sets, write the head and speculator.json; print the
+    table. Exit 2: refused (a profile error, no vlm section); exit 1: the worker failed."""
+    from core.config import resolve_path
+    from core.quant.prompts import write_prompts
+    from core.spec.report import acceptance_table
+    from core.spec.runner import SpeculatorTrainError, train_head
+
+    from .config.profiles import ProfileError, load_profile
+
+    def refuse(msg: str):
+        typer.echo(f"chimera speculator train: {msg}", err=True)
+        raise typer.Exit(2)
+
+    try:
+        prof = load_profile(profile)
+    except ProfileError as err:
+        refuse(str(err))
+    if prof.vlm is None:
+        refuse(f"profile {prof.name} has no vlm section")
+    cfg = prof.vlm.engine
+    model_dir = prof.resolved_model_dir()
+    llm_dir = resolve_path(model_dir, cfg.llm)
+    out = Path(out or Path(model_dir) / "vlm" / "speculator-eagle3").resolve()
+    with tempfile.TemporaryDirectory(prefix="chimera-speculator-") as tmp:
+        typer.echo(f"prompts: building the training and held-out sets ({prof.name} profile)")
+        from grafting.train.quant_prompts import vlm_prompt_sets
+
+        sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=train_scenes, seed=seed,
+                               fit="train")
+        prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
+        spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,
+                "answer_tokens": answer_tokens, "draft_vocab": draft_vocab, "steps": steps, "lr": lr,
+                "ttt_steps": tokens, "pack_tokens": pack_tokens, "batch": 8, "seed": seed, "threads": threads}
+        try:
+            record = train_head(spec, Path(tmp) / "spec.json", echo=typer.echo)
+        except SpeculatorTrainError as e:
+            typer.echo(f"chimera speculator train: {e}", err=True)
+            raise typer.Exit(2 if e.returncode == 2 else 1) from None
+    typer.echo(acceptance_table(record))
+
+
+@speculator_app.command("report")
+def report(head: Path = typer.Argument(..., help="a folder written by chimera speculator train")):
+    """Print a head's acceptance table (from its speculator.json). Exit 2: no readable speculator.json."""
+    from core.spec.record import SpeculatorError, read_record
+    from core.spec.report import acceptance_table
+
+    try:
+        record = read_record(head)
+    except SpeculatorError as e:
+        typer.echo(f"chimera speculator report: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{head}: EAGLE-3 head for {record['verifier']}, {record['parameters']:,} trained parameters, "
+               f"{record['steps']} steps, draft vocabulary {record['draft_vocab']}, layers {record['layer_ids']}")
+    typer.echo(acceptance_table(record))
