@@ -145,9 +145,15 @@ class TTSConfig(Strict):
         """Every default a request falls back on must pass that request's own check (``audio/validate.py``), else
         every request leaving it out is a 400 about a field it never sent: ``default_voice`` in ``voices``,
         ``voices`` lower-case (a request's voice is matched lower-cased), :data:`DEFAULT_SPEED` within
-        ``[min_speed, max_speed]``, ``seed`` with ``|seed| < 2**63``; and ``min_frames <= max_frames``. Raises
+        ``[min_speed, max_speed]``, ``seed`` with ``|seed| < 2**63``; and ``min_frames <= max_frames``; no ``vllm.speculative`` (below). Raises
         ConfigFieldError naming the key."""
         check_quantized_backend(self.backend, self.vllm)
+        if self.vllm.speculative is not None:
+            # vllm/v1/sample/logits_processor/__init__.py build_logitsprocs: custom logits processors (the speech
+            # server's frame constraint, always loaded) raise at engine start while speculative decoding is on.
+            raise ConfigFieldError("vllm.speculative", "the speech LM is served without speculative decoding: vLLM "
+                                   "0.32 refuses custom logits processors (its SNAC frame constraint) while "
+                                   "speculative decoding is on, so the server would not start")
         upper = [v for v in self.voices if v != v.lower()]
         if upper:
             raise ConfigFieldError("voices", f"{upper} are not lower-case: a request's voice is matched lower-cased, "

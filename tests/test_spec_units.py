@@ -100,8 +100,8 @@ def test_record_checks(tmp_path):
 
 def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path):
     """``vllm.speculative``: n-gram passes unchanged; an eagle3 head is resolved against the model directory and
-    served only with a speculator.json naming the LM's weights; for the VLM (image prompts as prompt_embeds, which
-    vLLM 0.32's EAGLE proposer dies on) it is refused."""
+    checked against a speculator.json naming the LM's weights, then, for the VLM (image prompts as prompt_embeds, which
+    vLLM 0.32's EAGLE proposer dies on), refused; the speech LM's config refuses any speculation."""
     from audio.config import TTSConfig
     from core.config import DraftSpeculation, NgramSpeculation, VLLMOptions
     from grafting.config import VLMConfig
@@ -113,13 +113,17 @@ def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path):
                               tmp_path) == ngram
     assert served_speculation(VLMConfig(backend="vllm", llm="llm"), tmp_path) is None
     eagle = VLLMOptions(speculative=DraftSpeculation(method="eagle3", model="head", num_speculative_tokens=3))
-    with pytest.raises(SpeculatorError, match="provided via prompt_embeds"):
-        served_speculation(VLMConfig(backend="vllm", llm="llm", vllm=eagle), tmp_path)
-    cfg = TTSConfig(backend="vllm", lm="llm", vllm=eagle)
-    assert served_speculation(cfg, tmp_path).model == str(head)
-    (head / "speculator.json").unlink()
-    with pytest.raises(SpeculatorError, match="speculator.json is missing"):
+    cfg = VLMConfig(backend="vllm", llm="llm", vllm=eagle)
+    with pytest.raises(SpeculatorError, match="provided via prompt_embeds"):  # a head made for this LLM
         served_speculation(cfg, tmp_path)
+    (head / "speculator.json").unlink()
+    with pytest.raises(SpeculatorError, match="speculator.json is missing"):  # checked first
+        served_speculation(cfg, tmp_path)
+    # the speech server always loads its frame-constraint logits processor, which vLLM refuses beside speculation
+    with pytest.raises(ValueError, match="vllm.speculative: the speech LM is served without speculative decoding"):
+        TTSConfig(backend="vllm", lm="llm", vllm=eagle)
+    with pytest.raises(ValueError, match="vllm.speculative: the speech LM"):
+        TTSConfig(backend="vllm", lm="llm", vllm=VLLMOptions(speculative=ngram))
 
 
 def test_serve_refuses_an_eagle3_head_for_the_vlm_before_ray_starts(tmp_path):
@@ -140,7 +144,7 @@ def test_serve_refuses_an_eagle3_head_for_the_vlm_before_ray_starts(tmp_path):
     prof.write_text(yaml.safe_dump(data))
     r = CliRunner().invoke(app, ["serve", "--profile", str(prof)])
     assert r.exit_code == 2, r.output
-    assert "vlm.engine.vllm.speculative" in r.output and "provided via prompt_embeds" in r.output
+    assert "vlm.engine.vllm.speculative" in r.output and "speculator.json is missing" in r.output
 
 
 def test_training_batch_alignment():

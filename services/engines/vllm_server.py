@@ -115,7 +115,8 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     ``eagle`` draft; for ``eagle3`` the head's folder resolved against ``model_dir`` (like the engine's
     checkpoints) once :func:`core.spec.record.verify_head` accepts it for the LM (its ``speculator.json``, written
     by ``chimera speculator train``, names the LM's own weights: a head trained for other weights would stay
-    lossless but propose garbage). An ``eagle3`` head for the VLM is refused for now: the VLM sends image prompts
+    lossless but propose garbage). The speech LM's config refuses any speculation (:class:`audio.config.TTSConfig`:
+    vLLM refuses its frame-constraint logits processor then). An ``eagle3`` head for the VLM is, once checked, refused for now: the VLM sends image prompts
     as ``prompt_embeds`` and vLLM 0.32's EAGLE proposer then reads a prompt token id that does not exist
     (``vllm/v1/spec_decode/llm_base_proposer.py:1065`` ``prepare_next_token_ids_padded`` ->
     ``vllm/v1/worker/gpu_input_batch.py:78`` ``ValueError: ... provided via prompt_embeds, and its ID is
@@ -126,12 +127,11 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
         return s
     from core.spec.record import SpeculatorError, verify_head
 
-    if not isinstance(config, TTSConfig):
-        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
-
     reference = resolve_path(model_dir, config.lm if isinstance(config, TTSConfig) else config.llm)
     head = resolve_path(model_dir, s.model)
     verify_head(head, reference)
+    if isinstance(config, VLMConfig):
+        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
     return s.model_copy(update={"model": head})
 
 
