@@ -7,7 +7,7 @@
 # FP8 vs BF16 on one GPU. GLM-4-9B: `chimera quantize --scheme fp8 --select greedy --fraction 0.75` with the KL
 # search at real size (`--compare 0.25,0.5,0.75`: every method's KL table), then bench/quantization.py serves bf16,
 # FP8 on every unit and the greedy set (decode tok/s at 1 and 8 requests, TTFT, process and GPU memory, paired graft
-# accuracy). Orpheus-3B: the same quantize (KL over its audio ids), then bench/tts_concurrency.py at 1 and 8 streams
+# accuracy; GPU memory there is vLLM's fixed share). Orpheus-3B: the same quantize (KL over its audio ids), then bench/tts_concurrency.py at 1 and 8 streams
 # on the bf16 and the FP8 profile (audio s per wall s and time to first audio), and the memory plans
 # (`chimera profile show`). Not timed on a GPU yet: the greedy search's cost grows with the units (GLM-4-9B: 40
 # layers, 160 units; Orpheus: 28, 112) and may not fit one 10-minute call; --quant-only runs this part alone,
@@ -68,6 +68,8 @@ run_q "$CHIMERA" quantize --family tts --profile "$QD/gpu1-bf16.yaml" --scheme f
   --shortlist 4 --search-prompts 4 --compare 0.25,0.5,0.75 --out "$QD/tts/lm-fp8-greedy-0.75"
 run_q "$PY" bench/tts_concurrency.py --profile "$QD/gpu1-bf16.yaml" --engines transformers,vllm --streams 1,8 --rounds 1
 run_q "$PY" bench/tts_concurrency.py --profile "$QD/gpu1-fp8.yaml" --engines transformers,vllm --streams 1,8 --rounds 1
-run_q "$CHIMERA" profile show --profile "$QD/gpu1-bf16.yaml"
-run_q "$CHIMERA" profile show --profile "$QD/gpu1-fp8.yaml"
+# memory plans on two of these GPUs (the VLM and the speech LM each take a vLLM share of its own GPU); the LM weights
+# at their bits are in the notes (nvidia-smi shows vLLM's fixed share, not the weights: FP8 frees KV cache inside it)
+run_q "$CHIMERA" profile show --profile "$QD/gpu1-bf16.yaml" --gpus 2 --gpu-memory 141GB
+run_q "$CHIMERA" profile show --profile "$QD/gpu1-fp8.yaml" --gpus 2 --gpu-memory 141GB
 echo "gpu_scale.sh: quantization part: $N_Q commands $([ "$DRY" = 1 ] && echo validated || echo run)"
