@@ -77,6 +77,11 @@ def missing_weights(profile: str) -> list[str]:
     return gone
 
 
+def _why(e: Exception) -> str:
+    """A typer/click error's message as the CLI prints it."""
+    return e.format_message() if hasattr(e, "format_message") else str(e)
+
+
 def validate(argv: list[str]) -> None:
     """Parse one command line of bench/gpu_scale.sh as the program it names would, without running it. Raises
     ValueError with the reason when it would be refused (unknown option, bad value, unknown program)."""
@@ -94,12 +99,12 @@ def validate(argv: list[str]) -> None:
             try:
                 cmd.commands["report"].make_context("report", list(argv[3:]))
             except typer.TyperException as e:
-                raise ValueError(f"{' '.join(argv)}: {e.format_message() if hasattr(e, 'format_message') else e}") from None
+                raise ValueError(f"{' '.join(argv)}: {_why(e)}") from None
             return
         try:
             ctx = cmd.make_context("quantize", list(argv[2:]))
         except typer.TyperException as e:
-            raise ValueError(f"{' '.join(argv)}: {e.format_message() if hasattr(e, 'format_message') else e}") from None
+            raise ValueError(f"{' '.join(argv)}: {_why(e)}") from None
         p = ctx.params
         try:
             require_host(p["scheme"], "cuda")

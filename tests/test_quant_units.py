@@ -338,7 +338,8 @@ def test_gpu_scale_quantization_commands_parse_with_the_cli_as_it_is(tmp_path):
     one_gpu_profile(tmp_path / "gpu1-fp8.yaml", str(tmp_path / "vlm/llm-fp8-greedy-0.75"),
                     str(tmp_path / "tts/lm-fp8-greedy-0.75"))
     fp8 = load_profile(tmp_path / "gpu1-fp8.yaml")
-    assert fp8.vlm.engine.vllm.quantized.endswith("llm-fp8-greedy-0.75") and fp8.vlm.engine.vllm.tensor_parallel_size == 1
+    assert fp8.vlm.engine.vllm.quantized.endswith("llm-fp8-greedy-0.75")
+    assert fp8.vlm.engine.vllm.tensor_parallel_size == 1
     assert fp8.tts.engine.vllm.quantized.endswith("lm-fp8-greedy-0.75")
     cmds = _gpu_scale_commands(tmp_path)
     assert len(cmds) >= 8
