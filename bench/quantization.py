@@ -106,8 +106,10 @@ def measure(svc: Service, rows: list[dict], speed: bool = True) -> dict:
                                              {"type": "text", "text": q}]}]
         return svc.chat(msgs, max_tokens=12, temperature=0).choices[0].message.content or ""
 
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:  # greedy answers: the order of arrival does not change them
         texts = list(pool.map(answer, rows))
+    out["answer_s"] = time.perf_counter() - t0
     scored = score_generated(rows, texts)
     out["correct"] = scored["correct"]
     out["graft_acc"] = sum(out["correct"]) / max(1, len(rows))
