@@ -130,14 +130,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint-dir", type=Path, default=None, help="where the checkpoints are (default "
                                                                       "<model_dir>/vlm)")
     ap.add_argument("--accuracy-only", action="store_true", help="graft accuracy only (no speed or memory rows)")
+    ap.add_argument("--answers-dir", type=Path, default=None,
+                    help="with --accuracy-only: keep each model's per-question correctness here (<label>.json) and "
+                         "reuse it for the same questions instead of serving that model again (a run with "
+                         "--select none measures the reference alone)")
     return ap
 
 
 def check_args(a: argparse.Namespace) -> list[str]:
-    """The quantized rows ``--select`` names. Raises ValueError when it names none or another method."""
+    """The quantized rows ``--select`` names (``none``: the reference alone). Raises ValueError when it names no
+    row or another method, or for ``--answers-dir`` without ``--accuracy-only``."""
     selects = [x.strip() for x in a.select.split(",") if x.strip()]
-    if not selects or any(x not in ("all", "greedy") for x in selects):
-        raise ValueError(f"--select {a.select!r}: a comma list of all, greedy")
+    if selects == ["none"]:
+        selects = []
+    elif not selects or any(x not in ("all", "greedy") for x in selects):
+        raise ValueError(f"--select {a.select!r}: none, or a comma list of all, greedy")
+    if a.answers_dir is not None and not a.accuracy_only:
+        raise ValueError("--answers-dir keeps graft answers only: it needs --accuracy-only")
     return selects
 
 
@@ -173,9 +182,18 @@ def main() -> int:
             p = bench_profile(base, "vllm")
             p["name"] = "bench-quant"
             p["vlm"]["engine"]["vllm"]["quantized"] = str(ck) if ck else None
-            print(f"== {label}: serving", flush=True)
-            with Service(p) as svc:
-                results[label] = measure(svc, rows, speed=not a.accuracy_only)
+            kept = a.answers_dir / f"{label.replace(' ', '_')}.json" if a.answers_dir else None
+            ids = [r["id"] for r in rows]
+            if kept and kept.exists() and json.loads(kept.read_text())["ids"] == ids:
+                print(f"== {label}: answers of {kept}", flush=True)
+                results[label] = json.loads(kept.read_text())["result"]
+            else:
+                print(f"== {label}: serving", flush=True)
+                with Service(p) as svc:
+                    results[label] = measure(svc, rows, speed=not a.accuracy_only)
+                if kept:
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    kept.write_text(json.dumps({"ids": ids, "result": results[label]}))
             if ck:
                 rec = json.loads((ck / "fidelity.json").read_text())
                 results[label].update(kld=rec["heldout"]["all"]["kld_mean"], same_top=rec["heldout"]["all"]["same_top_pct"],
