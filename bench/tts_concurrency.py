@@ -67,14 +67,19 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """This benchmark's command line (bench/gpu_quant.py validates bench/gpu_scale.sh's calls with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streams", default="1,4,8")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the cpu profile's replica uses 1)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     names = args.engines.split(",")
     if not set(names) <= set(ENGINES) or not {BASELINE, SERVED} <= set(names):

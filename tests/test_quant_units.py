@@ -311,3 +311,75 @@ def test_serve_refuses_a_quantized_checkpoint_before_ray_starts(tmp_path, profil
     r = CliRunner().invoke(app, ["serve", "--profile", str(path)])
     assert r.exit_code == 2, r.output
     assert "vlm.engine.vllm.quantized:" in r.output and "fidelity.json is missing" in r.output
+
+
+def _gpu_scale_commands(qd) -> list[list[str]]:
+    """Every ``run_q`` command of bench/gpu_scale.sh (continuation lines joined), its variables as the script sets
+    them (``$QD`` = ``qd``), split as bash would (no other expansion is used there)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "bench/gpu_scale.sh").read_text().replace("\\\n", " ")
+    lines = [ln.strip()[len("run_q "):] for ln in text.splitlines() if ln.strip().startswith("run_q ")]
+    subst = {"CHIMERA": ".venv/bin/chimera", "PY": ".venv/bin/python", "QD": str(qd)}
+    return [shlex.split(re.sub(r"\$(\w+)", lambda m: subst[m.group(1)], ln)) for ln in lines]
+
+
+def test_gpu_scale_quantization_commands_parse_with_the_cli_as_it_is(tmp_path):
+    """bench/gpu_scale.sh's FP8 rows cannot run here (no GPU, no GLM-4-9B/Orpheus weights): each of its commands
+    is parsed by the parser of the program it calls (typer for chimera, argparse for the benches), its values
+    checked as the CLI would (FP8 on CUDA, the selection and fraction, the --compare list, the profile), and the
+    one-GPU profiles it writes name the FP8 checkpoints as ``vllm.quantized``."""
+    from bench.gpu_quant import one_gpu_profile, validate
+    from services.config.profiles import load_profile
+
+    one_gpu_profile(tmp_path / "gpu1-bf16.yaml")
+    one_gpu_profile(tmp_path / "gpu1-fp8.yaml", str(tmp_path / "vlm/llm-fp8-greedy-0.75"),
+                    str(tmp_path / "tts/lm-fp8-greedy-0.75"))
+    fp8 = load_profile(tmp_path / "gpu1-fp8.yaml")
+    assert fp8.vlm.engine.vllm.quantized.endswith("llm-fp8-greedy-0.75")
+    assert fp8.vlm.engine.vllm.tensor_parallel_size == 1
+    assert fp8.tts.engine.vllm.quantized.endswith("lm-fp8-greedy-0.75")
+    cmds = _gpu_scale_commands(tmp_path)
+    assert len(cmds) >= 8
+    programs = {c[1] if c[0].endswith("chimera") else c[1].rsplit("/", 1)[-1] for c in cmds}
+    assert programs == {"quantize", "profile", "quantization.py", "tts_concurrency.py"}
+    assert sum("fp8" in c and "quantize" in c[1:2] and "report" not in c for c in cmds) == 2  # vlm and tts
+    for c in cmds:
+        validate(c)
+
+
+@pytest.mark.parametrize("bad", [
+    [".venv/bin/chimera", "quantize", "--family", "vlm", "--profile", "gpu", "--scheme", "fp8", "--method", "greedy"],
+    [".venv/bin/chimera", "quantize", "--family", "vlm", "--profile", "gpu", "--scheme", "fp4"],
+    [".venv/bin/chimera", "quantize", "--profile", "gpu", "--scheme", "fp8", "--select", "all", "--fraction", "0.5"],
+    [".venv/bin/chimera", "quantize", "--profile", "gpu-one", "--scheme", "fp8"],
+    [".venv/bin/chimera", "quantize", "--profile", "gpu", "--compare", "0.5,1.5"],
+    [".venv/bin/python", "bench/quantization.py", "--profile", "gpu", "--select", "random"],
+    [".venv/bin/python", "bench/quantization.py", "--profile", "gpu", "--questions", "many"],
+    [".venv/bin/python", "bench/tts_concurrency.py", "--profile", "gpu", "--stream-count", "8"],
+    [".venv/bin/chimera", "profile", "show", "--profile", "gpu", "--gpu", "1"],
+    [".venv/bin/chimera", "serve", "--profile", "gpu"],
+])
+def test_gpu_scale_command_validator_refuses_what_the_cli_would(bad):
+    from bench.gpu_quant import validate
+
+    with pytest.raises(ValueError):
+        validate(bad)
+
+
+def test_paired_difference_counts_the_discordant_questions():
+    """5 questions: base right on 1,2,5, other on 1,3. b = 2 (2, 5), c = 1 (3): difference -20 points, SE
+    sqrt(3 - 1/5) / 5 = 33.47 points, exact McNemar p = 2 * P(X <= 1 | 3, 1/2) = 1."""
+    from grafting.train.freeform import paired_difference
+
+    d = paired_difference([True, True, False, False, True], [True, False, True, False, False])
+    assert (d["n"], d["base_only"], d["other_only"]) == (5, 2, 1)
+    assert d["acc_base"] == pytest.approx(0.6) and d["acc_other"] == pytest.approx(0.4)
+    assert d["diff_points"] == pytest.approx(-20.0) and d["se_points"] == pytest.approx(100 * math.sqrt(2.8) / 5)
+    assert d["p_mcnemar"] == 1.0
+    assert paired_difference([True] * 10, [False] * 10)["p_mcnemar"] == pytest.approx(2 / 2**10)
+    assert paired_difference([True], [True])["se_points"] == 0.0
+    with pytest.raises(ValueError):
+        paired_difference([True], [True, False])

@@ -14,6 +14,7 @@ Rows are the ``test.jsonl`` rows of :func:`grafting.train.scenes.write_dataset` 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 
@@ -81,15 +82,17 @@ def score_generated(rows: list[dict], texts: list[str]) -> dict:
     """Generated-answer accuracy per question type and the one-word format check of ``texts``, the answers to
     ``rows`` in order (whoever generated them: this process or the served API).
 
-    Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "format_obeyed": acc over style-``word`` rows,
-    "format_n", "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text,
-    right answer)``}``. Raises ValueError when ``rows`` and ``texts`` differ in length."""
+    Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "correct": one bool per row in order (for paired
+    comparisons, :func:`paired_difference`), "format_obeyed": acc over style-``word`` rows, "format_n",
+    "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text, right
+    answer)``}``. Raises ValueError when ``rows`` and ``texts`` differ in length."""
     if len(rows) != len(texts):
         raise ValueError(f"{len(rows)} rows but {len(texts)} texts")
-    hits, fmt, failures, samples = defaultdict(list), [], [], []
+    hits, fmt, failures, samples, correct = defaultdict(list), [], [], [], []
     for row, text in zip(rows, texts):
         q = row["conversations"][0]["value"].replace("<image>", "").strip()
-        hits[row["question_type"]].append(read_answer(text, row["question_type"]) == row["answer_word"])
+        correct.append(read_answer(text, row["question_type"]) == row["answer_word"])
+        hits[row["question_type"]].append(correct[-1])
         if row.get("style") == "word":
             fmt.append(one_word(text))
             if not fmt[-1] and len(failures) < 10:
@@ -97,6 +100,27 @@ def score_generated(rows: list[dict], texts: list[str]) -> dict:
         if len(samples) < 10:
             samples.append((q, text, row["conversations"][1]["value"]))
     return {"accuracy": {k: sum(v) / len(v) for k, v in sorted(hits.items())},
-            "n": {k: len(v) for k, v in sorted(hits.items())},
+            "n": {k: len(v) for k, v in sorted(hits.items())}, "correct": correct,
             "format_obeyed": sum(fmt) / len(fmt) if fmt else None, "format_n": len(fmt),
             "format_failures": failures, "samples": samples}
+
+
+def paired_difference(base: list[bool], other: list[bool]) -> dict:
+    """Paired accuracy comparison of two models answering the same questions (``base[i]``, ``other[i]``: was
+    question ``i`` answered right), McNemar-style: only the discordant questions carry the difference.
+
+    Returns ``{"n", "acc_base", "acc_other" (fractions), "diff_points": 100 * (acc_other - acc_base),
+    "se_points": its standard error (the paired-proportion estimate sqrt(b + c - (c - b)**2 / n) / n, in
+    points), "base_only": b (right by base only), "other_only": c (right by other only), "p_mcnemar": the
+    exact two-sided binomial p of b vs c (1.0 when b + c = 0)}``. Raises ValueError when the lists differ in
+    length or are empty."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"paired lists of {len(base)} and {len(other)} answers: need equal, non-empty")
+    n = len(base)
+    b = sum(1 for x, y in zip(base, other) if x and not y)
+    c = sum(1 for x, y in zip(base, other) if y and not x)
+    k, m = min(b, c), b + c
+    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m) if m else 1.0
+    return {"n": n, "acc_base": sum(base) / n, "acc_other": sum(other) / n, "diff_points": 100 * (c - b) / n,
+            "se_points": 100 * math.sqrt(max(0.0, m - (c - b) ** 2 / n)) / n, "base_only": b, "other_only": c,
+            "p_mcnemar": p}
