@@ -33,8 +33,8 @@ def cpu_kernel() -> str:
 
     Returns "bmm" where ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`, which honours
     ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both kernels
-    side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread, thread CPU time: 505 vs
-    553 ms on AVX512, 743 vs 789 ms with AVX2 emulated on the same CPU; docs/benchmarks.md). "flash" elsewhere (not
+    side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread, thread CPU time, AMD
+    EPYC: 581 vs 621 ms on AVX512, 532 vs 563 ms with AVX2 emulated on the same CPU; docs/benchmarks.md). "flash" elsewhere (not
     measured; the fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the
     value head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
     kernels are exact to fp32 rounding (tests/test_sparse_attention.py, against a float64 reference).
