@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels
-from .cpu_kernels import _EXP_RANGE, _FLASH_CPU, _attend, _attend_rows, _score_bound
+from .cpu_kernels import _EXP_RANGE, _FLASH_CPU, LOG2E, _attend, _attend_rows, _score_bound
 from .plan import _pair_blocks, _ranges, _rows_of, _tile_plan
 from .select import _check_valid
 
@@ -108,11 +108,12 @@ def compact_block_attention(
     ub_head = torch.tensor([p[0] for p in pairs], dtype=torch.int64).repeat_interleave(
         torch.tensor([p[3] for p in pairs], dtype=torch.int64))
     k_idx = _ranges(ub_head * N + plan.starts[ub], plan.counts[ub]).to(dev)  # rows of the tile-order k and v
-    qt = torch.index_select(_rows_of(query), 0, plan.rows["q"]).mul_(scale)  # [BH * N, D], tile order
+    out_t = None if kernel == "flash" and D == Dv else query.new_empty(BH * N, Dv)
+    # [BH * N, D], tile order; scaled for `_attend_rows`'s base-2 scores on "bmm", for `_attend` otherwise
+    qt = torch.index_select(_rows_of(query), 0, plan.rows["q"]).mul_(scale if out_t is None else scale * LOG2E)
     kt = torch.index_select(_rows_of(key), 0, plan.rows["k"])
     vt = kt if value is key else torch.index_select(_rows_of(value), 0, plan.rows["v"])
 
-    out_t = None if kernel == "flash" and D == Dv else query.new_empty(BH * N, Dv)
     lse_t = query.new_empty(BH * N)
     max_keys = max(p[2] for p in pairs)
     k_buf, v_buf = query.new_empty(max_keys, D), query.new_empty(max_keys, Dv)
