@@ -37,30 +37,45 @@ def weights_sha256(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def write_fidelity(checkpoint_dir: str | Path, record: dict) -> Path:
-    """Write ``record`` (with ``format`` added) as ``<checkpoint_dir>/fidelity.json``; returns its path."""
-    path = Path(checkpoint_dir) / FIDELITY_FILE
+def write_record(path: str | Path, version: int, record: dict) -> Path:
+    """Write ``record`` with ``format: version`` added as JSON at ``path`` (atomically: a temporary file, then a
+    rename), the one writer of the measured records beside a checkpoint (``fidelity.json``; ``speculator.json``,
+    :mod:`core.spec.record`); returns ``path``."""
+    path = Path(path)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_VERSION, **record}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"format": version, **record}, indent=1) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_record(path: str | Path, version: int, error: type[ValueError], kind: str, made_by: str,
+                remedy: str) -> dict:
+    """The parsed record at ``path`` written by :func:`write_record`. Raises ``error`` when it is missing ("only
+    {made_by} is served"), unreadable or not a ``kind`` record of format ``version``, each message ending in
+    ``remedy``."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path} is missing: only {made_by} is served") from None
+    except (OSError, ValueError) as e:
+        raise error(f"{path} is unreadable ({e}): {remedy}") from None
+    if not isinstance(record, dict) or record.get("format") != version:
+        raise error(f"{path} is not a {kind} record of format {version}: {remedy}")
+    return record
+
+
+def write_fidelity(checkpoint_dir: str | Path, record: dict) -> Path:
+    """Write ``record`` (with ``format`` added) as ``<checkpoint_dir>/fidelity.json``; returns its path."""
+    return write_record(Path(checkpoint_dir) / FIDELITY_FILE, FORMAT_VERSION, record)
 
 
 def read_fidelity(checkpoint_dir: str | Path) -> dict:
     """The parsed ``fidelity.json`` of ``checkpoint_dir``. Raises QuantizedCheckpointError when it is missing,
     unreadable or of another format version."""
-    path = Path(checkpoint_dir) / FIDELITY_FILE
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise QuantizedCheckpointError(f"{path} is missing: only a checkpoint written by `chimera quantize` "
-                                       f"(which measures its fidelity) is served") from None
-    except (OSError, ValueError) as e:
-        raise QuantizedCheckpointError(f"{path} is unreadable ({e}): run `chimera quantize` again") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
-        raise QuantizedCheckpointError(f"{path} is not a fidelity record of format {FORMAT_VERSION}: "
-                                       f"run `chimera quantize` again")
-    return record
+    return read_record(Path(checkpoint_dir) / FIDELITY_FILE, FORMAT_VERSION, QuantizedCheckpointError, "fidelity",
+                       "a checkpoint written by `chimera quantize` (which measures its fidelity)",
+                       "run `chimera quantize` again")
 
 
 def verify_checkpoint(checkpoint_dir: str | Path, reference_dir: str | Path, device: str = "cpu") -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from core.quant import fidelity
 from core.quant.fidelity import weights_sha256
 
 SPECULATOR_FILE = "speculator.json"
@@ -25,27 +26,15 @@ class SpeculatorError(ValueError):
 
 def write_record(head_dir: str | Path, record: dict) -> Path:
     """Write ``record`` (with ``format`` added) as ``<head_dir>/speculator.json``; returns its path."""
-    path = Path(head_dir) / SPECULATOR_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_VERSION, **record}, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return fidelity.write_record(Path(head_dir) / SPECULATOR_FILE, FORMAT_VERSION, record)
 
 
 def read_record(head_dir: str | Path) -> dict:
     """The parsed ``speculator.json`` of ``head_dir``. Raises SpeculatorError when it is missing, unreadable or of
     another format version."""
-    path = Path(head_dir) / SPECULATOR_FILE
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpeculatorError(f"{path} is missing: only a head written by `chimera speculator train` (which "
-                              f"measures its acceptance) is served") from None
-    except (OSError, ValueError) as e:
-        raise SpeculatorError(f"{path} is unreadable ({e}): train the head again") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
-        raise SpeculatorError(f"{path} is not a speculator record of format {FORMAT_VERSION}: train the head again")
-    return record
+    return fidelity.read_record(Path(head_dir) / SPECULATOR_FILE, FORMAT_VERSION, SpeculatorError, "speculator",
+                                "a head written by `chimera speculator train` (which measures its acceptance)",
+                                "train the head again")
 
 
 def verify_head(head_dir: str | Path, verifier_dir: str | Path) -> dict:
