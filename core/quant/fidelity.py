@@ -65,6 +65,27 @@ def read_record(path: str | Path, version: int, error: type[ValueError], kind: s
     return record
 
 
+def check_made_from(want: str | None, reference_dir: str | Path, error: type[ValueError], made: str,
+                    remedy: str) -> None:
+    """Check that a record's reference hash ``want`` is :func:`weights_sha256` of ``reference_dir`` (the weights a
+    quantized checkpoint or a draft head was made for). Raises ``error`` when ``reference_dir`` holds no weights,
+    or "{made} {reference_dir} (sha256 ... vs ...): {remedy}" when the hashes differ."""
+    try:
+        have = weights_sha256(reference_dir)
+    except FileNotFoundError as e:
+        raise error(str(e)) from None
+    if want != have:
+        raise error(f"{made} {reference_dir} (sha256 {str(want)[:12]}... vs {have[:12]}...): {remedy}")
+
+
+def read_config(model_dir: str | Path, error: type[ValueError]) -> dict:
+    """The parsed ``config.json`` of ``model_dir``. Raises ``error`` when it is missing or unreadable."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{model_dir}/config.json is unreadable ({e})") from None
+
+
 def write_fidelity(checkpoint_dir: str | Path, record: dict) -> Path:
     """Write ``record`` (with ``format`` added) as ``<checkpoint_dir>/fidelity.json``; returns its path."""
     return write_record(Path(checkpoint_dir) / FIDELITY_FILE, FORMAT_VERSION, record)
@@ -88,18 +109,10 @@ def verify_checkpoint(checkpoint_dir: str | Path, reference_dir: str | Path, dev
 
     record = read_fidelity(checkpoint_dir)
     want = record.get("reference", {}).get("sha256")
-    try:
-        have = weights_sha256(reference_dir)
-    except FileNotFoundError as e:
-        raise QuantizedCheckpointError(str(e)) from None
-    if want != have:
-        raise QuantizedCheckpointError(
-            f"{checkpoint_dir} was made from other weights than {reference_dir} (sha256 {str(want)[:12]}... vs "
-            f"{have[:12]}...): quantize this model again with `chimera quantize`")
-    try:
-        cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise QuantizedCheckpointError(f"{checkpoint_dir}/config.json is unreadable ({e})") from None
+    check_made_from(want, reference_dir, QuantizedCheckpointError,
+                    f"{checkpoint_dir} was made from other weights than",
+                    "quantize this model again with `chimera quantize`")
+    cfg = read_config(checkpoint_dir, QuantizedCheckpointError)
     if cfg.get("quantization_config", {}).get("quant_method") != "compressed-tensors":
         raise QuantizedCheckpointError(f"{checkpoint_dir}/config.json names no compressed-tensors quantization")
     try:

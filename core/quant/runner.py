@@ -18,12 +18,17 @@ QUANT_PYTHON_ENV = "CHIMERA_QUANT_PYTHON"  # overrides the interpreter (as CHIME
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `core` is importable from
 
 
-class QuantizeError(RuntimeError):
-    """The worker failed (``returncode`` 2: it refused the spec, the message says why) or is missing."""
+class WorkerError(RuntimeError):
+    """A worker run by :func:`run_module` failed (``returncode`` 2: it refused the spec, the message says why) or its
+    environment is missing (``returncode`` None)."""
 
     def __init__(self, message: str, returncode: int | None = None):
         super().__init__(message)
         self.returncode = returncode
+
+
+class QuantizeError(WorkerError):
+    """The quantization worker failed or is missing (:class:`WorkerError`)."""
 
 
 def quant_python() -> str:
@@ -32,7 +37,7 @@ def quant_python() -> str:
     return os.environ.get(QUANT_PYTHON_ENV) or str(in_project(QUANT_PYTHON))
 
 
-def run_module(python: str, module: str, spec: dict, spec_path: str | Path, error: type[Exception],
+def run_module(python: str, module: str, spec: dict, spec_path: str | Path, error: type[WorkerError],
                what: str, echo: Callable[[str], None] = print, env: dict[str, str] | None = None) -> None:
     """Write ``spec`` to ``spec_path`` and run ``python -m module spec_path`` from the project root (``core``
     importable): the files-on-disk interface of the workers that live in their own environments

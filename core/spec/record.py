@@ -9,11 +9,9 @@ LLM is refused instead of served (it would stay lossless, but propose garbage).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from core.quant import fidelity
-from core.quant.fidelity import weights_sha256
 
 SPECULATOR_FILE = "speculator.json"
 FORMAT_VERSION = 1
@@ -42,19 +40,10 @@ def verify_head(head_dir: str | Path, verifier_dir: str | Path) -> dict:
     record: ``speculator.json`` readable, its verifier hash equal to that of ``verifier_dir``, ``config.json`` a
     speculators ``eagle3`` config. Raises SpeculatorError naming the first failed check."""
     record = read_record(head_dir)
-    try:
-        have = weights_sha256(verifier_dir)
-    except FileNotFoundError as e:
-        raise SpeculatorError(str(e)) from None
-    want = record.get("verifier_sha256")
-    if want != have:
-        raise SpeculatorError(f"{head_dir} was trained for other weights than {verifier_dir} (sha256 "
-                              f"{str(want)[:12]}... vs {have[:12]}...): train it again with "
-                              f"`chimera speculator train`")
-    try:
-        cfg = json.loads((Path(head_dir) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SpeculatorError(f"{head_dir}/config.json is unreadable ({e})") from None
+    fidelity.check_made_from(record.get("verifier_sha256"), verifier_dir, SpeculatorError,
+                             f"{head_dir} was trained for other weights than",
+                             "train it again with `chimera speculator train`")
+    cfg = fidelity.read_config(head_dir, SpeculatorError)
     if cfg.get("speculators_model_type") != "eagle3":
         raise SpeculatorError(f"{head_dir}/config.json is not a speculators EAGLE-3 config")
     return record

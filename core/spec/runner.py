@@ -10,18 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.config import in_project
-from core.quant.runner import run_module
+from core.quant.runner import WorkerError, run_module
 
 SPEC_PYTHON = ".venv-spec/bin/python"
 SPEC_PYTHON_ENV = "CHIMERA_SPEC_PYTHON"  # overrides the interpreter (as CHIMERA_QUANT_PYTHON does for quantize)
 
 
-class SpeculatorTrainError(RuntimeError):
-    """The worker failed (``returncode`` 2: it refused the spec, the message says why) or is missing."""
-
-    def __init__(self, message: str, returncode: int | None = None):
-        super().__init__(message)
-        self.returncode = returncode
+class SpeculatorTrainError(WorkerError):
+    """The speculator worker failed or is missing (:class:`core.quant.runner.WorkerError`)."""
 
 
 def spec_python() -> str:
