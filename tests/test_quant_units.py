@@ -383,3 +383,19 @@ def test_paired_difference_counts_the_discordant_questions():
     assert paired_difference([True], [True])["se_points"] == 0.0
     with pytest.raises(ValueError):
         paired_difference([True], [True, False])
+
+
+def test_split_roles_names_the_fitted_and_held_out_sets_or_refuses():
+    """Both workers' one check of a prompt file's roles: the ``fit`` sets and the held-out sets in file order; a file
+    without either is refused naming the path."""
+    import torch
+
+    from core.quant.prompts import PromptSet, split_roles
+
+    one = [torch.tensor([1, 2])]
+    sets = {"fit_a": PromptSet("search", "a", one), "chat": PromptSet("heldout", "c", one),
+            "train": PromptSet("train", "t", one), "scene": PromptSet("heldout", "s", one)}
+    assert split_roles("p.safetensors", sets, "search") == (["fit_a"], ["chat", "scene"])
+    assert split_roles("p.safetensors", sets, "train") == (["train"], ["chat", "scene"])
+    with pytest.raises(ValueError, match=r"p.safetensors: needs a search set and a held-out set, has \['chat'\]"):
+        split_roles("p.safetensors", {"chat": sets["chat"]}, "search")

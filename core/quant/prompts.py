@@ -75,3 +75,14 @@ def read_prompts(path: str | Path) -> tuple[dict[str, PromptSet], tuple[int, int
             sets[name] = PromptSet(m["role"], m["description"], prompts)
     vocab = meta.get("score_vocab")
     return sets, (tuple(vocab) if vocab else None)
+
+
+def split_roles(path: str | Path, sets: dict[str, PromptSet], fit: str) -> tuple[list[str], list[str]]:
+    """The names of ``sets`` (read from ``path``) with role ``fit`` (``search`` for the quantization worker,
+    ``train`` for the speculator's) and with role ``heldout``, in file order. Raises ValueError naming ``path``
+    when either list is empty."""
+    fitted = [n for n, s in sets.items() if s.role == fit]
+    heldout = [n for n, s in sets.items() if s.role == "heldout"]
+    if not fitted or not heldout:
+        raise ValueError(f"{path}: needs a {fit} set and a held-out set, has {sorted(sets)}")
+    return fitted, heldout

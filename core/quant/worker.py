@@ -30,7 +30,7 @@ import torch
 
 from .fidelity import weights_sha256, write_fidelity
 from .kld import concat, position_stats, summarize
-from .prompts import read_prompts
+from .prompts import read_prompts, split_roles
 from .schemes import require_host
 from .search import greedy_path, random_subset, ranked, select, sensitivity, unit_count
 from .units import Unit, llama_units
@@ -207,10 +207,7 @@ def run(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     sets, vocab = read_prompts(spec["prompts"])
-    search_sets = [n for n, s in sets.items() if s.role == "search"]
-    heldout_sets = [n for n, s in sets.items() if s.role == "heldout"]
-    if not search_sets or not heldout_sets:
-        raise ValueError(f"{spec['prompts']}: needs a search set and a held-out set, has {sorted(sets)}")
+    search_sets, heldout_sets = split_roles(spec["prompts"], sets, "search")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     units = llama_units([n for n, _ in model.named_modules()])

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from core.quant.fidelity import weights_sha256
-from core.quant.prompts import read_prompts
+from core.quant.prompts import read_prompts, split_roles
 
 from .acceptance import acceptance_summary, accepted_lengths
 from .record import write_record
@@ -172,10 +172,7 @@ def run(spec: dict) -> dict:
     torch.manual_seed(int(spec["seed"]))
     torch.set_num_threads(int(spec["threads"]))
     sets, _ = read_prompts(spec["prompts"])
-    train_sets = [n for n, s in sets.items() if s.role == "train"]
-    heldout_sets = [n for n, s in sets.items() if s.role == "heldout"]
-    if not train_sets or not heldout_sets:
-        raise ValueError(f"{spec['prompts']}: needs a train set and a held-out set, has {sorted(sets)}")
+    train_sets, heldout_sets = split_roles(spec["prompts"], sets, "train")
     verifier = spec["verifier"]
     config = AutoConfig.from_pretrained(verifier)
     n_layers = config.num_hidden_layers
