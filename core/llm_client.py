@@ -124,8 +124,10 @@ class LLMClient(Protocol):
     EngineRequestError / EngineError. ``wait_ready(timeout)``: block until ``ready`` (True) or
     ``failed``/``stopped``/``timeout`` seconds (False). ``await stats()``: a JSON-able dict with at least
     ``backend`` (``transformers`` | ``vllm``), ``active`` (requests held now; None while unknown) and
-    ``generated_tokens`` (since start, all requests; None while unknown). ``close()``: release the model (a
-    batcher thread joins, an engine process stops); idempotent.
+    ``generated_tokens`` (since start, all requests; None while unknown). ``await spec_decode()``: the engine's
+    speculative-decoding counters since it started (:func:`core.spec.acceptance.spec_counters`' dict), None where
+    it does not speculate. ``close()``: release the model (a batcher thread joins, an engine process stops);
+    idempotent.
     """
 
     @property
@@ -139,5 +141,7 @@ class LLMClient(Protocol):
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
     async def stats(self) -> dict[str, Any]: ...
+
+    async def spec_decode(self) -> dict[str, Any] | None: ...
 
     def close(self) -> None: ...

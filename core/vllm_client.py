@@ -212,6 +212,7 @@ class VLLMClient:
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self.pools_opened = 0  # pools made so far (one per event loop used): for tests and benches
         self._pool_guard: AsyncIterator[None] | None = None  # closes the pool when its loop shuts down
+        self._speculates: bool | None = None  # whether the server's /metrics has spec-decode counters (once seen)
 
     supports_structured_outputs = True
 
@@ -328,6 +329,19 @@ class VLLMClient:
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
+
+    async def spec_decode(self) -> dict[str, Any] | None:
+        """vLLM's speculative-decoding counters since the server started (:func:`core.spec.acceptance.spec_counters`
+        of :meth:`metrics_text`); None when the server does not speculate (then remembered: the server's command
+        line does not change, so later calls do not fetch). Raises EngineUnavailableError when the server does not
+        answer."""
+        from .spec.acceptance import spec_counters
+
+        if self._speculates is False:
+            return None
+        counters = spec_counters(await self.metrics_text())
+        self._speculates = counters is not None
+        return counters
 
     async def engine_metric(self, *names: str) -> float:
         """The sum of vLLM's Prometheus ``/metrics`` samples named ``names`` (over every label set), e.g.

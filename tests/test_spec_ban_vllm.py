@@ -16,9 +16,11 @@ import asyncio
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from core.llm_client import CompletionRequest
 from core.spec.acceptance import counters_from_metrics, from_vllm_counters
+from services.api import metrics as metrics_module
 from tests.tiny_llama import chat_ids
 
 PLACEHOLDERS = ("<jupyter_start>", "<jupyter_code>", "<jupyter_output>")  # configs/cpu.yaml image_tokens
@@ -74,7 +76,9 @@ def test_placeholder_texts_are_single_tokens_as_vllm_tokenizes_bad_words(banned_
 def test_image_prompt_with_ngram_speculation_keeps_the_ban_and_the_greedy_answer(banned_model):
     """One ``CompletionRequest`` (embeddings prompt, the placeholders banned, greedy) to the in-process client and
     to vLLM with and without n-gram speculation: answered by all three (not refused), the same ids, none banned,
-    while the unbanned greedy answer has placeholder ids; the speculating server drafted tokens for it."""
+    while the unbanned greedy answer has placeholder ids; the speculating server drafted tokens for it, its
+    client's ``spec_decode()`` counters are those of its ``/metrics`` (None for the plain server and the in-process
+    client) and fold into the service's per-replica series."""
     from core.config import NgramSpeculation, VLLMOptions
     from core.vllm_client import VLLMClient
     from grafting.config import VLMConfig
@@ -105,6 +109,7 @@ def test_image_prompt_with_ngram_speculation_keeps_the_ban_and_the_greedy_answer
             assert c.wait_ready(600), getattr(c, "server", None) and c.server.log_tail()
         answers = {name: asyncio.run(collect(c)) for name, c in clients.items()}
         metrics = asyncio.run(clients["spec"].metrics_text())
+        counters = {name: asyncio.run(clients[name].spec_decode()) for name in ("spec", "plain", "local")}
     finally:
         for c in clients.values():
             c.close()
@@ -113,4 +118,11 @@ def test_image_prompt_with_ngram_speculation_keeps_the_ban_and_the_greedy_answer
     drafts, accepted, per_pos = counters_from_metrics(metrics)
     assert drafts > 0 and len(per_pos) == NGRAM["num_speculative_tokens"], metrics
     assert 1.0 <= from_vllm_counters(drafts, accepted, per_pos)["mean_acceptance_length"] <= 4.0
+    assert counters["plain"] is None and counters["local"] is None
+    spec = counters["spec"]
+    assert (spec["drafts"], spec["accepted"], spec["accepted_per_pos"]) == (drafts, accepted, per_pos)
+    assert drafts <= spec["draft_tokens"] <= NGRAM["num_speculative_tokens"] * drafts
+    metrics_module.observe_vlm_end_event("test-ban", {"spec_decode": {"replica": "r", "counters": spec}})
+    exposed = generate_latest(metrics_module.REGISTRY).decode()
+    assert f'chimera_vlm_spec_decode_drafts_total{{model="test-ban",replica="r"}} {drafts}' in exposed
 

@@ -106,7 +106,7 @@ class Deployment(EngineDeployment):
                     yield ev
                 if d.finish_reason is not None:
                     yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
-                           **self._end_extras(report)}
+                           **await self._end_extras(report)}
                     return
                 try:
                     d = await gen.__anext__()
@@ -117,20 +117,33 @@ class Deployment(EngineDeployment):
         finally:
             await gen.aclose()
 
-    def _end_extras(self, report) -> dict:
+    def replica_label(self) -> str:
+        """The ``replica`` label of this replica's series in /metrics (:func:`_replica_name` of this deployment)."""
+        return _replica_name(id(self))
+
+    async def _end_extras(self, report) -> dict:
         """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's
-        image-cache counters and the answer's collapse-guard report."""
+        image-cache counters, its engine's speculative-decoding counters (where it speculates and answers: a
+        failed read leaves them out of this event) and the answer's collapse-guard report."""
+        from core.llm_client import EngineUnavailableError
+
         out = {"collapse": dataclasses.asdict(report)}
         cache = self.engine.model.image_cache
         if cache is not None:
-            out["image_cache"] = {"replica": _replica_name(id(cache)), "stats": cache.stats().as_dict()}
+            out["image_cache"] = {"replica": self.replica_label(), "stats": cache.stats().as_dict()}
+        try:
+            spec = await self.engine.client.spec_decode()
+        except EngineUnavailableError:
+            spec = None
+        if spec is not None:
+            out["spec_decode"] = {"replica": self.replica_label(), "counters": spec}
         return out
 
 
 def _replica_name(local: int) -> str:
     """This Ray Serve replica's id; outside Ray Serve (LocalBackend: tests, notebooks) the process id and ``local``
-    (the deployment's image cache's id), so two deployments in one process keep apart the cumulative counters the
-    ingress folds into /metrics (``services.api.metrics.observe_image_cache``)."""
+    (the deployment's id), so two deployments in one process keep apart the cumulative counters the ingress folds
+    into /metrics (``services.api.metrics.observe_image_cache``, ``observe_spec_decode``)."""
     try:
         from ray import serve
 
