@@ -87,8 +87,8 @@ class CompletionRequest:
     included in the text); ``stop_token_ids``: ids that end it (reported in ``token_ids``, no text).
     ``logprobs``: None for none, else the number (0-20) of top alternatives besides each sampled token's own.
     ``banned_tokens``: ids never sampled, each with its token's text (``{id: text}``; the text must tokenize to
-    exactly that one id: a server that bans by text, vLLM's ``bad_words``, re-tokenizes it). ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict
-    (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
+    exactly that one id: a server that bans by text, vLLM's ``bad_words``, re-tokenizes it).
+    ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
     ``extra_args``: per-request arguments of a custom logits processor (vLLM's ``vllm_xargs``; the in-process
     client of the same family reads the same keys). ``skip_special_tokens``: leave special tokens out of the text.
     """
