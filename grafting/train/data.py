@@ -10,13 +10,14 @@ turn of a multi-turn conversation; image spans are never labelled.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
+
+from core.jsonl import jsonl_values
 
 from ..processor import GraftProcessor
 
@@ -29,14 +30,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
     Raises ValueError naming the line of a malformed row."""
     path = Path(path)
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err})") from None
-        if not isinstance(row.get("conversations"), list) or not row["conversations"]:
+    for n, row in jsonl_values(path):
+        if not isinstance(row, dict) or not isinstance(row.get("conversations"), list) or not row["conversations"]:
             raise ValueError(f"{path}:{n}: row has no conversations list")
         row["_root"] = str(path.parent)
         rows.append(row)

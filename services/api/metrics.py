@@ -118,6 +118,14 @@ SPEC_MEAN_ACCEPTANCE = Gauge("chimera_vlm_spec_decode_mean_acceptance_length",
                              "(as of its last answer; absent before its first draft)", ["model", "replica"],
                              registry=REGISTRY)
 
+# --- VLM traffic capture (grafting.traffic; opt-in per profile; counted from the replicas' chat end events) ---
+TRAFFIC_PROMPTS = Counter("chimera_vlm_traffic_capture_prompts_total",
+                          "Served conversations offered to a replica's traffic dataset, by outcome (written; dropped: "
+                          "the file is at its max_mb cap)", ["model", "replica", "outcome"], registry=REGISTRY)
+TRAFFIC_FULL = Gauge("chimera_vlm_traffic_capture_full",
+                     "1 when a replica's traffic dataset has reached its cap and nothing more is written",
+                     ["model", "replica"], registry=REGISTRY)
+
 _SEEN: dict[tuple[str, str, str], float] = {}  # (family block, model, replica) -> last cumulative value
 
 
@@ -158,6 +166,15 @@ def observe_spec_decode(model: str, replica: str, counters: dict) -> None:
         SPEC_MEAN_ACCEPTANCE.labels(model, replica).set(1.0 + float(counters.get("accepted") or 0.0) / drafts)
 
 
+def observe_traffic_capture(model: str, replica: str, stats: dict) -> None:
+    """Fold one replica's traffic writer counters (``grafting.traffic.TrafficWriter.stats()``: cumulative
+    ``written``, ``dropped``; ``full``) into the metrics like :func:`observe_image_cache`."""
+    for outcome in ("written", "dropped"):
+        _grow(TRAFFIC_PROMPTS, (model, replica, outcome), (f"traffic.{outcome}", model, replica),
+              float(stats.get(outcome, 0)))
+    TRAFFIC_FULL.labels(model, replica).set(1 if stats.get("full") else 0)
+
+
 def observe_collapse(model: str, report: dict[str, int | bool]) -> None:
     """Count one answer's collapse-guard report (``grafting.collapse_guard.GuardReport`` as a dict)."""
     if report.get("collapses", 0) > 0:
@@ -167,11 +184,15 @@ def observe_collapse(model: str, report: dict[str, int | bool]) -> None:
 
 
 def observe_vlm_end_event(model: str, event: dict) -> None:
-    """Metrics carried by a VLM ``end`` event: ``image_cache`` ``{"replica", "stats"}``, ``spec_decode``
-    ``{"replica", "counters"}`` and ``collapse`` (a guard report); any may be absent."""
+    """Metrics carried by a VLM ``end`` event: ``image_cache`` ``{"replica", "stats"}``, ``traffic_capture``
+    ``{"replica", "stats"}``, ``spec_decode`` ``{"replica", "counters"}`` and ``collapse`` (a guard report); any
+    may be absent."""
     cache = event.get("image_cache")
     if isinstance(cache, dict) and isinstance(cache.get("stats"), dict):
         observe_image_cache(model, str(cache.get("replica", "")), cache["stats"])
+    traffic = event.get("traffic_capture")
+    if isinstance(traffic, dict) and isinstance(traffic.get("stats"), dict):
+        observe_traffic_capture(model, str(traffic.get("replica", "")), traffic["stats"])
     spec = event.get("spec_decode")
     if isinstance(spec, dict) and isinstance(spec.get("counters"), dict):
         observe_spec_decode(model, str(spec.get("replica", "")), spec["counters"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -43,6 +44,14 @@ class Deployment(EngineDeployment):
                            lambda client: VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
                                                                 llm_client=client), cfg.deployment.torch_threads)
         self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
+        self.traffic = None  # the traffic dataset's writer (grafting.traffic), when the profile turns capture on
+        capture = cfg.engine.traffic_capture
+        if capture.enabled:
+            from core.config import resolve_path
+            from grafting.traffic import TrafficWriter
+
+            self.traffic = TrafficWriter(resolve_path(model_dir, capture.path, local=True),
+                                         int(capture.max_mb * 2**20))
 
     async def stats(self) -> dict:
         """The engine's counters (:meth:`grafting.engine.VLMEngine.stats`): ``backend``, ``active`` requests
@@ -77,10 +86,23 @@ class Deployment(EngineDeployment):
                 raise engine_fault(exc) from exc
             yield input_error_event(exc)
             return
-        async for ev in self._events(prompt, params, response_format):
+        async for ev in self._events(prompt, params, response_format, request["messages"]):
             yield ev
 
-    async def _events(self, prompt, params, response_format):
+    def _capture(self, messages: list, prompt) -> None:
+        """Append the served conversation to the traffic dataset when capture is on (:mod:`grafting.traffic`:
+        text as sent, each image as its image-cache key). A failed write is logged, never the request's error."""
+        if self.traffic is None:
+            return
+        from grafting.image_cache import image_keys
+
+        keys = image_keys(prompt.pixel_values, prompt.image_grid_thw) if prompt.pixel_values is not None else []
+        try:
+            self.traffic.record(messages, keys)
+        except (OSError, ValueError) as exc:
+            logging.getLogger("chimera").warning("traffic capture: not written: %s", exc)
+
+    async def _events(self, prompt, params, response_format, messages):
         """``chat_stream``'s events after validation, the same for both backends: ``start``, ``delta``s, ``end``.
         A refusal before the first token (vLLM cannot compile a schema; the context check) is an input error
         event like ours; an unavailable engine raises. Closing this generator (the client went away) closes the
@@ -105,6 +127,7 @@ class Deployment(EngineDeployment):
                         ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
                     yield ev
                 if d.finish_reason is not None:
+                    self._capture(messages, prompt)
                     yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
                            **await self._end_extras(report)}
                     return
@@ -124,7 +147,8 @@ class Deployment(EngineDeployment):
     async def _end_extras(self, report) -> dict:
         """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's
         image-cache counters, its engine's speculative-decoding counters (where it speculates and answers: a
-        failed read leaves them out of this event) and the answer's collapse-guard report."""
+        failed read leaves them out of this event), its traffic writer's counters (where capture is on) and the
+        answer's collapse-guard report."""
         from core.llm_client import EngineUnavailableError
 
         out = {"collapse": dataclasses.asdict(report)}
@@ -137,6 +161,8 @@ class Deployment(EngineDeployment):
             spec = None
         if spec is not None:
             out["spec_decode"] = {"replica": self.replica_label(), "counters": spec}
+        if self.traffic is not None:
+            out["traffic_capture"] = {"replica": self.replica_label(), "stats": self.traffic.stats()}
         return out
 
 
