@@ -52,6 +52,10 @@ class TransformersSpeechClient:
         """``backend`` ``transformers``, ``active`` requests streaming now, ``generated_tokens`` since start."""
         return {"backend": "transformers", "active": self.active, "generated_tokens": self.generated_tokens}
 
+    async def spec_decode(self) -> None:
+        """None: the in-process model does not speculate."""
+        return None
+
     def close(self) -> None:
         """Nothing to release (the weights go with the object)."""
 

@@ -86,8 +86,9 @@ class CompletionRequest:
     and the answer's), ``seed`` (None: unseeded; taken modulo 2**63). ``stop``: strings that end the answer (not
     included in the text); ``stop_token_ids``: ids that end it (reported in ``token_ids``, no text).
     ``logprobs``: None for none, else the number (0-20) of top alternatives besides each sampled token's own.
-    ``banned_token_ids``: ids never sampled. ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict
-    (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
+    ``banned_tokens``: ids never sampled, each with its token's text (``{id: text}``; the text must tokenize to
+    exactly that one id: a server that bans by text, vLLM's ``bad_words``, re-tokenizes it).
+    ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
     ``extra_args``: per-request arguments of a custom logits processor (vLLM's ``vllm_xargs``; the in-process
     client of the same family reads the same keys). ``skip_special_tokens``: leave special tokens out of the text.
     """
@@ -102,7 +103,7 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
-    banned_token_ids: list[int] = field(default_factory=list)
+    banned_tokens: dict[int, str] = field(default_factory=dict)
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
     skip_special_tokens: bool = True
@@ -123,8 +124,10 @@ class LLMClient(Protocol):
     EngineRequestError / EngineError. ``wait_ready(timeout)``: block until ``ready`` (True) or
     ``failed``/``stopped``/``timeout`` seconds (False). ``await stats()``: a JSON-able dict with at least
     ``backend`` (``transformers`` | ``vllm``), ``active`` (requests held now; None while unknown) and
-    ``generated_tokens`` (since start, all requests; None while unknown). ``close()``: release the model (a
-    batcher thread joins, an engine process stops); idempotent.
+    ``generated_tokens`` (since start, all requests; None while unknown). ``await spec_decode()``: the engine's
+    speculative-decoding counters since it started (:func:`core.spec.acceptance.spec_counters`' dict), None where
+    it does not speculate. ``close()``: release the model (a batcher thread joins, an engine process stops);
+    idempotent.
     """
 
     @property
@@ -138,5 +141,7 @@ class LLMClient(Protocol):
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
     async def stats(self) -> dict[str, Any]: ...
+
+    async def spec_decode(self) -> dict[str, Any] | None: ...
 
     def close(self) -> None: ...

@@ -8,9 +8,10 @@ client. The body of ``/v1/completions`` is built here from a :class:`~core.llm_c
 ``CompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
 ``--enable-prompt-embeds``), ``return_token_ids`` (each chunk carries its new token ids),
 ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``, so alternatives are identified by id, not
-by possibly ambiguous text), ``stop_token_ids``, ``structured_outputs`` (vLLM's ``StructuredOutputsParams``:
-``json`` schema or ``json_object``, with options such as ``disable_any_whitespace``). Closing the stream early
-closes the HTTP connection, which makes vLLM abort the request.
+by possibly ambiguous text), ``stop_token_ids``, ``bad_words`` (banned tokens, by text), ``structured_outputs``
+(vLLM's ``StructuredOutputsParams``: ``json`` schema or ``json_object``, with options such as
+``disable_any_whitespace``). Closing the stream early closes the HTTP connection, which makes vLLM abort the
+request.
 
 Connections: one pooled ``httpx.AsyncClient`` per :class:`VLLMClient` (one per engine, so one per replica), kept
 alive between completions (at most ``max_connections``); a stream closed before its end closes its connection
@@ -41,7 +42,6 @@ from .llm_client import (CompletionChunk, CompletionRequest, EngineError, Engine
 from .validate import SEED_LIMIT
 
 TOKEN_ID_PREFIX = "token_id:"
-BANNED_BIAS = -100.0  # OpenAI's most negative logit_bias: a banned id is never sampled
 
 
 def embeds_payload(embeds: Any) -> str:
@@ -57,10 +57,18 @@ def embeds_payload(embeds: Any) -> str:
 def request_body(req: CompletionRequest, model: str = SERVED_NAME) -> dict[str, Any]:
     """The streaming ``/v1/completions`` body of ``req`` for the served ``model``: ``prompt`` (ids) or
     ``prompt_embeds`` (:func:`embeds_payload`), the sampling fields (``seed`` modulo 2**63), ``stop`` /
-    ``stop_token_ids``, ``logprobs`` when asked, ``banned_token_ids`` as ``logit_bias`` -100, ``structured_outputs``,
+    ``stop_token_ids``, ``logprobs`` when asked, ``banned_tokens``' texts as ``bad_words``, ``structured_outputs``,
     ``extra_args`` as ``vllm_xargs``; always streamed, token ids returned per chunk, logprob tokens as
     ``token_id:<id>``, usage in a last chunk. Raises ValueError for a prompt that is neither ids nor a 2-D
-    tensor."""
+    tensor.
+
+    The ban is ``bad_words``, not ``logit_bias``: vLLM 0.32 refuses ``logit_bias`` while speculative decoding is on
+    (``vllm/sampling_params.py`` ``_validate_spec_decode``), while its rejection sampler applies ``bad_words`` to
+    every draft position (``vllm/v1/sample/rejection_sampler.py`` ``apply_logits_processors`` ->
+    ``apply_bad_words_with_drafts``) and its sampler to the bonus token. vLLM tokenizes each word without special
+    tokens added (``SamplingParams.update_from_tokenizer``): a text that is one token bans exactly that id (its
+    space-prefixed form is added only when it is a different id sequence of the same length, which a special
+    token's is not: a space token and the token)."""
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": req.temperature,
                             "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
                             "stop": list(req.stop), "stop_token_ids": list(req.stop_token_ids),
@@ -75,8 +83,8 @@ def request_body(req: CompletionRequest, model: str = SERVED_NAME) -> dict[str, 
         body["seed"] = req.seed % SEED_LIMIT
     if req.logprobs is not None:
         body["logprobs"] = req.logprobs
-    if req.banned_token_ids:
-        body["logit_bias"] = {str(i): BANNED_BIAS for i in req.banned_token_ids}
+    if req.banned_tokens:
+        body["bad_words"] = list(req.banned_tokens.values())
     if req.structured_outputs is not None:
         body["structured_outputs"] = req.structured_outputs
     if req.extra_args:
@@ -204,6 +212,7 @@ class VLLMClient:
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self.pools_opened = 0  # pools made so far (one per event loop used): for tests and benches
         self._pool_guard: AsyncIterator[None] | None = None  # closes the pool when its loop shuts down
+        self._speculates: bool | None = None  # whether the server's /metrics has spec-decode counters (once seen)
 
     supports_structured_outputs = True
 
@@ -311,15 +320,33 @@ class VLLMClient:
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
 
-    async def engine_metric(self, *names: str) -> float:
-        """The sum of vLLM's Prometheus ``/metrics`` samples named ``names`` (over every label set), e.g.
-        ``vllm:generation_tokens_total``. Raises EngineUnavailableError when the server does not answer."""
+    async def metrics_text(self) -> str:
+        """The Prometheus text of the server's ``/metrics`` (vLLM's ``vllm:*`` families). Raises
+        EngineUnavailableError when the server does not answer."""
         try:
             async with httpx.AsyncClient(timeout=10.0) as client:
-                text = (await client.get(f"{self.base_url}/metrics")).text
+                return (await client.get(f"{self.base_url}/metrics")).text
         except httpx.HTTPError as exc:
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None
+
+    async def spec_decode(self) -> dict[str, Any] | None:
+        """vLLM's speculative-decoding counters since the server started (:func:`core.spec.acceptance.spec_counters`
+        of :meth:`metrics_text`); None when the server does not speculate (then remembered: the server's command
+        line does not change, so later calls do not fetch). Raises EngineUnavailableError when the server does not
+        answer."""
+        from .spec.acceptance import spec_counters
+
+        if self._speculates is False:
+            return None
+        counters = spec_counters(await self.metrics_text())
+        self._speculates = counters is not None
+        return counters
+
+    async def engine_metric(self, *names: str) -> float:
+        """The sum of vLLM's Prometheus ``/metrics`` samples named ``names`` (over every label set), e.g.
+        ``vllm:generation_tokens_total``. Raises EngineUnavailableError when the server does not answer."""
+        text = await self.metrics_text()
         total = 0.0
         for line in text.splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]

@@ -77,6 +77,19 @@ class ImageCacheConfig(Strict):
     max_bytes: int = Field(256 * 1024 * 1024, gt=0)
 
 
+class TrafficCaptureConfig(Strict):
+    """Capture of the prompts the VLM served (``grafting.train.data.TrafficWriter``), for ``chimera speculator train
+    --traffic``. Off unless ``enabled``. ``path``: the JSONL dataset (relative to the model directory), one line
+    per answered chat request: its messages' text, each image as a reference (the image-cache key of its tower
+    input, never pixels or URLs). ``max_mb``: the file's cap in MiB; at the cap nothing more is written (a log
+    line and ``chimera_vlm_traffic_capture_full`` say so). docs/operations/speculator.md: what is stored, how to
+    delete it."""
+
+    enabled: bool = False
+    path: str = "vlm/traffic.jsonl"
+    max_mb: float = Field(64.0, gt=0)
+
+
 class CollapseGuardConfig(Strict):
     """Text collapse guard of chat (``grafting.collapse_guard``): when one token comes ``min_run`` or more times
     in a row, the answer is rolled back to the run's first token and resumed once (``max_retries``) with another
@@ -132,6 +145,7 @@ class VLMConfig(Strict):
     limits: ImageLimits = ImageLimits()
     image_cache: ImageCacheConfig = ImageCacheConfig()
     collapse_guard: CollapseGuardConfig = CollapseGuardConfig()
+    traffic_capture: TrafficCaptureConfig = TrafficCaptureConfig()
     build: CpuBuild | None = None
     backend: str = Field("transformers", pattern="^(transformers|vllm)$")
     vllm: VLLMOptions = VLLMOptions()

@@ -179,7 +179,7 @@ class SequenceState:
         seed = request.seed
         self.generator = torch.Generator(device="cpu").manual_seed(int(seed) % SEED_LIMIT) if seed is not None \
             else None
-        self.suppress = tuple(request.banned_token_ids)
+        self.suppress = tuple(request.banned_tokens)
         self.streamer = TextStreamer(tokenizer, request.stop, request.skip_special_tokens)
         self.n = 0
         self.finished = False

@@ -54,7 +54,7 @@ def completion_request(model: GraftedVLM, prompt: Prompt, params: SamplingParams
         req.prompt = prompt.input_ids[0].tolist()
     else:
         req.prompt = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)[0]
-        req.banned_token_ids = list(model.image_token_ids.all())
+        req.banned_tokens = model.image_token_ids.banned()
     return req
 
 

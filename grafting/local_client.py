@@ -82,6 +82,10 @@ class TransformersClient:
         return {"backend": "transformers", "active": b.active if b else 0,
                 "max_batch_seen": b.max_batch_seen if b else 0, "generated_tokens": b.generated_tokens if b else 0}
 
+    async def spec_decode(self) -> None:
+        """None: the in-process model does not speculate."""
+        return None
+
     def close(self) -> None:
         """Stop the batcher if one runs (joins its thread). Idempotent."""
         with self._lock:

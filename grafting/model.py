@@ -20,15 +20,23 @@ from .projector import GraftProjector
 
 @dataclass(frozen=True)
 class ImageTokenIds:
-    """Token ids of an image span ``start, image * N, end`` (all existing LLM vocabulary entries)."""
+    """Token ids of an image span ``start, image * N, end`` (all existing LLM vocabulary entries), and ``texts``:
+    the three tokens' strings, in the same order (each tokenizes to exactly its one id: checked by
+    :class:`grafting.processor.GraftProcessor`)."""
 
     start: int
     image: int
     end: int
+    texts: tuple[str, str, str]
 
     def all(self) -> tuple[int, int, int]:
         """The three ids as a tuple (for masking them out of generation)."""
         return (self.start, self.image, self.end)
+
+    def banned(self) -> dict[int, str]:
+        """``{id: text}`` of the three tokens: a :class:`~core.llm_client.CompletionRequest`'s ``banned_tokens``
+        (an in-process client bans the ids, vLLM's server the texts as ``bad_words``)."""
+        return dict(zip(self.all(), self.texts))
 
 
 class GraftedVLM(nn.Module):

@@ -93,7 +93,7 @@ class GraftProcessor:
             if tid is None or tid == tokenizer.unk_token_id or len(tokenizer(s, add_special_tokens=False).input_ids) != 1:
                 raise ValueError(f"image token {s!r} is not a single token of the LLM vocabulary")
             ids.append(tid)
-        self.image_token_ids = ImageTokenIds(*ids)
+        self.image_token_ids = ImageTokenIds(*ids, self.image_token_strings)
         self.limits = limits or ImageLimitsView()
         self.max_prompt_tokens = max_prompt_tokens
         control = sorted((t.content for t in tokenizer.added_tokens_decoder.values()

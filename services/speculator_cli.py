@@ -7,7 +7,8 @@ its hidden states and writes a checkpoint in speculators' format with ``speculat
 ``--speculative-config '{"method": "eagle3", "model": <folder>, "num_speculative_tokens": 3}'`` loads; the VLM
 profile refuses it for now, :func:`services.engines.vllm_server.served_speculation` says why);
 ``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
-the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`).
+the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`),
+with ``--traffic``'s captured text conversations (:func:`grafting.train.data.read_traffic`) added to the training set.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
                                                              "prompts)"),
           pack_tokens: int = typer.Option(2048, min=16, help="tokens per packed training batch"),
           seed: int = typer.Option(0, help="scene draws, initialisation and batch order"),
-          threads: int = typer.Option(2, min=1, help="torch threads of the worker")):
+          threads: int = typer.Option(2, min=1, help="torch threads of the worker"),
+          traffic: Path = typer.Option(None, help="a captured traffic dataset (vlm.engine.traffic_capture's JSONL): "
+                                                  "its text conversations join the training set; those with "
+                                                  "images are skipped and counted")):
     """Distill, train, measure acceptance on the held-out sets, write the head and speculator.json; print the
     table. Exit 2: refused (a profile error, no vlm section); exit 1: the worker failed."""
     from core.config import resolve_path
@@ -60,12 +64,27 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     model_dir = prof.resolved_model_dir()
     llm_dir = resolve_path(model_dir, cfg.llm)
     out = Path(out or Path(model_dir) / "vlm" / "speculator-eagle3").resolve()
+    conversations, skipped = None, 0
+    if traffic is not None:
+        from grafting.train.data import read_traffic
+
+        try:
+            conversations, skipped = read_traffic(traffic)
+        except (OSError, ValueError) as e:
+            refuse(f"--traffic: {e}")
+        typer.echo(f"traffic: {len(conversations)} text conversations from {traffic}; {skipped} with images "
+                   f"skipped (an image reference cannot be re-made into embeddings)")
     with tempfile.TemporaryDirectory(prefix="chimera-speculator-") as tmp:
         typer.echo(f"prompts: building the training and held-out sets ({prof.name} profile)")
         from grafting.train.quant_prompts import vlm_prompt_sets
 
-        sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=train_scenes, seed=seed,
-                               fit="train")
+        try:
+            sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=train_scenes,
+                                   seed=seed, fit="train", traffic=conversations, traffic_skipped=skipped)
+        except ValueError as e:  # a captured conversation the processor refuses (PromptError)
+            if conversations is None:
+                raise
+            refuse(f"--traffic: a captured conversation is refused: {e}")
         prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
         spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,
                 "answer_tokens": answer_tokens, "draft_vocab": draft_vocab, "steps": steps, "lr": lr,

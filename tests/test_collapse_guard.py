@@ -84,7 +84,7 @@ class Setup:
         self.script = tok(answer_text, add_special_tokens=False).input_ids
         sticky_id = tok(sticky, add_special_tokens=False).input_ids[0] if sticky else None
         lm = ScriptedLM(len(tok), len(self.ids), self.script, tok.eos_token_id, sticky_id, sticky_logit)
-        self.model = GraftedVLM(None, None, lm, ImageTokenIds(0, 1, 2))
+        self.model = GraftedVLM(None, None, lm, ImageTokenIds(0, 1, 2, ("<s0>", "<s1>", "<s2>")))
         self.client = TransformersClient(lm, tok, max_batch_size=1)
         self.prompt = Prompt(torch.tensor([self.ids]))
 

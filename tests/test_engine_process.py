@@ -200,10 +200,10 @@ def test_completion_request_body():
     assert body["prompt"] == [1, 2] and "prompt_embeds" not in body and "seed" not in body
     assert body["model"] == "m" and body["stream"] and body["return_token_ids"] and body["return_tokens_as_token_ids"]
     assert body["stream_options"] == {"include_usage": True} and "logit_bias" not in body
-    body = request_body(CompletionRequest(prompt=torch.zeros(3, 4), max_tokens=3, seed=-1, banned_token_ids=[7],
+    body = request_body(CompletionRequest(prompt=torch.zeros(3, 4), max_tokens=3, seed=-1, banned_tokens={7: "<x>"},
                                           extra_args={"x": [1]}))
     assert "prompt" not in body and body["prompt_embeds"] and body["seed"] == 2**63 - 1
-    assert body["logit_bias"] == {"7": -100.0} and body["vllm_xargs"] == {"x": [1]}
+    assert body["bad_words"] == ["<x>"] and "logit_bias" not in body and body["vllm_xargs"] == {"x": [1]}
     with pytest.raises(ValueError, match="token ids or a"):
         request_body(CompletionRequest(prompt=torch.zeros(3), max_tokens=3))
 

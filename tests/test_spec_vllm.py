@@ -3,10 +3,8 @@
 counters read, vLLM's refusal of ``logit_bias`` while speculative decoding is on, and vLLM 0.32's engine failure on
 a ``prompt_embeds`` request with an EAGLE-3 head (why the VLM profile refuses one for now).
 
-The model: a 4-layer Llama (hidden 128, head_dim 64: vLLM's CPU attention has no kernel for 16) with SmolLM2's
-tokenizer and random weights of standard deviation 0.2, so its logits have gaps of several units and greedy
-answers do not hinge on the last bits of a multi-token verification pass. The head reads layers 1, 2, 3 (the
-residual stream after each) and trains 30 steps (about a minute with the worker's start-up on 2 cores); what is
+The model: ``tests/tiny_llama.py`` (a 4-layer random Llama with SmolLM2's tokenizer). The head reads layers 1, 2,
+3 (the residual stream after each) and trains 30 steps (about a minute with the worker's start-up on 2 cores); what is
 checked is losslessness and the plumbing, not the acceptance it reaches.
 """
 
@@ -24,6 +22,7 @@ from core.quant.fidelity import weights_sha256
 from core.quant.prompts import PromptSet, write_prompts
 from core.spec.acceptance import counters_from_metrics, from_vllm_counters
 from core.spec.runner import train_head
+from tests.tiny_llama import chat_ids, tiny_llama
 
 TEXTS = {"train": ["What is a cat?", "Name a colour.", "Tell me about rivers.", "What is 2 plus 2?",
                    "Describe the sea.", "Why do dogs bark?"],
@@ -36,24 +35,13 @@ ANSWER = 16
 def head(tmp_path_factory, model_dir):
     """A 4-layer Llama saved as fp32 safetensors with SmolLM2's tokenizer, its prompt ids, and an EAGLE-3 head
     trained for it by the worker."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from core.smollm2 import smollm2_tokenizer
 
     root = tmp_path_factory.mktemp("spec")
     tok = smollm2_tokenizer(model_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      tie_word_embeddings=True, initializer_range=0.2, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).eval().save_pretrained(root / "ref")
+    tiny_llama(tok).save_pretrained(root / "ref")
     tok.save_pretrained(root / "ref")
-
-    def ids(text):
-        r = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return torch.tensor(r["input_ids"] if hasattr(r, "keys") else r, dtype=torch.int64)
-    prompts = {name: [ids(t) for t in texts] for name, texts in TEXTS.items()}
+    prompts = {name: [chat_ids(tok, t) for t in texts] for name, texts in TEXTS.items()}
     sets = {"train": PromptSet("train", "six text prompts", prompts["train"]),
             "chat": PromptSet("heldout", "two text prompts", prompts["chat"])}
     spec = {"verifier": str(root / "ref"), "prompts": str(write_prompts(root / "prompts.safetensors", sets)),

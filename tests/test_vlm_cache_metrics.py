@@ -51,7 +51,7 @@ def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model
 
     from services.api.app import build_app
     from services.deployments.backends import LocalBackend
-    from services.deployments.vlm import Deployment, _replica_name
+    from services.deployments.vlm import Deployment
     from services.config.profiles import parse_profile
     from tests.conftest import data_url
 
@@ -65,7 +65,7 @@ def test_repeated_image_through_the_api_is_a_cache_hit_in_metrics(profile, model
                                          {"type": "text", "text": "What is in this picture?"}]}]
     text = None
 
-    replica = f'replica="{_replica_name(id(dep.engine.model.image_cache))}"'  # this deployment's series only
+    replica = f'replica="{dep.replica_label()}"'  # this deployment's series only
 
     def sample(name: str) -> float:
         line = next((x for x in text.splitlines() if x.startswith(name + "{") and 'model="chimera-vlm"' in x

@@ -438,7 +438,7 @@ def test_both_clients_give_the_same_greedy_tokens_for_ids_and_for_embeddings(dep
                                                               {"type": "text", "text": "Describe this."}]}])
     ids_req = completion_request(ref.model, text_prompt, params, ref.eos_token_ids)
     emb_req = completion_request(ref.model, image_prompt, params, ref.eos_token_ids)
-    assert isinstance(ids_req.prompt, list) and emb_req.prompt.ndim == 2 and emb_req.banned_token_ids
+    assert isinstance(ids_req.prompt, list) and emb_req.prompt.ndim == 2 and emb_req.banned_tokens
     assert isinstance(ids_req, CompletionRequest)
 
     async def collect(client, req):

@@ -54,26 +54,39 @@ def from_vllm_counters(drafts: float, accepted: float, accepted_per_pos: list[fl
             "acceptance_rate_per_position": [a / drafts for a in accepted_per_pos]}
 
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+                 "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
 
 
-def counters_from_metrics(text: str) -> tuple[float, float, list[float]]:
-    """``(drafts, accepted, accepted_per_pos)`` from the Prometheus text of a vLLM server's ``/metrics``: the
-    counters :func:`from_vllm_counters` takes, summed over engines, positions in order. Zeros and ``[]`` when the
-    server has no speculative decoding."""
-    drafts = accepted = 0.0
+def spec_counters(text: str) -> dict | None:
+    """vLLM's speculative-decoding counters in the Prometheus text of its ``/metrics`` (``vllm/v1/metrics/
+    loggers.py``, counters since the server started), summed over engines: ``{"drafts", "draft_tokens",
+    "accepted"}`` (floats) and ``"accepted_per_pos"`` (floats, positions in order). None when the text has no
+    drafts counter (the server does not speculate)."""
+    out: dict = {"drafts": None, "draft_tokens": 0.0, "accepted": 0.0}
     per_pos: dict[int, float] = {}
+    names = {v: k for k, v in SPEC_COUNTERS.items()}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name, _, value = line.rpartition(" ")
-        metric = name.split("{", 1)[0]
-        if metric == SPEC_COUNTERS[0]:
-            drafts += float(value)
-        elif metric == SPEC_COUNTERS[1]:
-            accepted += float(value)
-        elif metric == SPEC_COUNTERS[2]:
+        key = names.get(name.split("{", 1)[0])
+        if key == "accepted_per_pos":
             pos = int(name.split('position="', 1)[1].split('"', 1)[0])
             per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
-    return drafts, accepted, [per_pos[i] for i in sorted(per_pos)]
+        elif key is not None:
+            out[key] = (out[key] or 0.0) + float(value)
+    if out["drafts"] is None:
+        return None
+    out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return out
+
+
+def counters_from_metrics(text: str) -> tuple[float, float, list[float]]:
+    """``(drafts, accepted, accepted_per_pos)`` from the Prometheus text of a vLLM server's ``/metrics``
+    (:func:`spec_counters`): the counters :func:`from_vllm_counters` takes. Zeros and ``[]`` when the server has no
+    speculative decoding."""
+    c = spec_counters(text)
+    return (0.0, 0.0, []) if c is None else (c["drafts"], c["accepted"], c["accepted_per_pos"])

@@ -210,7 +210,7 @@ def dry_run(cfg: TrainConfig) -> dict:
         projector = GraftProjector(GraftProjectorConfig(vision_hidden_size=tower_cfg.hidden_size, merge_size=4,
                                                         mid_size=mc.projector_mid_size,
                                                         llm_hidden_size=llm_cfg.hidden_size))
-    vlm = GraftedVLM(tower, projector, llm, ImageTokenIds(-1, -2, -3))  # ids unused: no forward on meta
+    vlm = GraftedVLM(tower, projector, llm, ImageTokenIds(-1, -2, -3, ("", "", "")))  # unused: no forward on meta
     vlm.freeze_backbones()
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     trainable = sum(p.numel() for p in trainable_parameters(vlm))

@@ -42,11 +42,15 @@ def _scene_messages(rng: random.Random, split: str) -> list[dict]:
 @torch.inference_mode()
 def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldout: int = 48,
                     scene_search: int = 8, chat_search: int = 8, seed: int = 0,
-                    fit: str = "search") -> dict[str, PromptSet]:
+                    fit: str = "search", traffic: list[list[dict]] | None = None,
+                    traffic_skipped: int = 0) -> dict[str, PromptSet]:
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
     backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
-    Raises ValueError for another ``fit``, OSError when a checkpoint is missing (run ``chimera prepare``)."""
+    ``traffic``: captured text conversations (:func:`grafting.train.data.read_traffic`) added to the fit set as
+    served (chat template, token ids); ``traffic_skipped``, the image conversations the reader skipped, is named in
+    the set's description. Raises ValueError for another ``fit`` or a captured conversation the processor refuses
+    (PromptError), OSError when a checkpoint is missing (run ``chimera prepare``)."""
     if fit not in ("search", "train"):
         raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
     from ..engine import VLMEngine
@@ -63,9 +67,14 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
         rng = random.Random(seed)
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
         search += [ids(t) for t in SEARCH_CHAT_PROMPTS[:chat_search]]
+        described = (f"{scene_search} train-split scene questions (image embeddings) and "
+                     f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts")
+        if traffic is not None:
+            search += [engine.prepare(m).input_ids[0].long().cpu() for m in traffic]
+            described += (f", {len(traffic)} captured text conversations ({traffic_skipped} captured with images "
+                          f"skipped: an image reference cannot be re-made into embeddings)")
         return {
-            fit: PromptSet(fit, f"{scene_search} train-split scene questions (image embeddings) and "
-                                          f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts", search),
+            fit: PromptSet(fit, described, search),
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
                                           f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),
             "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",

@@ -99,23 +99,80 @@ CHAT_COLLAPSES = Counter("chimera_chat_collapses_total",
 CHAT_COLLAPSE_RETRIES = Counter("chimera_chat_collapse_retries_total",
                                 "Retries started by the chat collapse guard", ["model"], registry=REGISTRY)
 
-_IMAGE_CACHE_SEEN: dict[tuple[str, str], dict[str, int]] = {}
+# --- VLM speculative decoding (each replica's vLLM server's counters, carried by its chat end events) ---------
+SPEC_DRAFTS = Counter("chimera_vlm_spec_decode_drafts_total",
+                      "Drafts proposed by speculative decoding in a replica's vLLM server (vllm:spec_decode_num_drafts)",
+                      ["model", "replica"], registry=REGISTRY)
+SPEC_DRAFT_TOKENS = Counter("chimera_vlm_spec_decode_draft_tokens_total",
+                            "Draft tokens proposed (vllm:spec_decode_num_draft_tokens)", ["model", "replica"],
+                            registry=REGISTRY)
+SPEC_ACCEPTED = Counter("chimera_vlm_spec_decode_accepted_tokens_total",
+                        "Draft tokens accepted by the verifier (vllm:spec_decode_num_accepted_tokens)",
+                        ["model", "replica"], registry=REGISTRY)
+SPEC_ACCEPTED_PER_POS = Counter("chimera_vlm_spec_decode_accepted_tokens_per_pos_total",
+                                "Draft tokens accepted at each draft position (0 = first; "
+                                "vllm:spec_decode_num_accepted_tokens_per_pos)", ["model", "replica", "position"],
+                                registry=REGISTRY)
+SPEC_MEAN_ACCEPTANCE = Gauge("chimera_vlm_spec_decode_mean_acceptance_length",
+                             "Tokens per verifier step, 1 + accepted / drafts, since the replica's vLLM server started "
+                             "(as of its last answer; absent before its first draft)", ["model", "replica"],
+                             registry=REGISTRY)
+
+# --- VLM traffic capture (grafting.train.data; opt-in per profile; counted from the replicas' chat end events) ---
+TRAFFIC_PROMPTS = Counter("chimera_vlm_traffic_capture_prompts_total",
+                          "Served conversations offered to a replica's traffic dataset, by outcome (written; dropped: "
+                          "the file is at its max_mb cap)", ["model", "replica", "outcome"], registry=REGISTRY)
+TRAFFIC_FULL = Gauge("chimera_vlm_traffic_capture_full",
+                     "1 when a replica's traffic dataset has reached its cap and nothing more is written",
+                     ["model", "replica"], registry=REGISTRY)
+
+_SEEN: dict[tuple[str, str, str], float] = {}  # (family block, model, replica) -> last cumulative value
+
+
+def _grow(counter, labels: tuple[str, ...], key: tuple[str, str, str], now: float) -> None:
+    """Grow ``counter.labels(*labels)`` (made at 0 when new) to a replica's cumulative value ``now``: by the
+    difference to the last value seen under ``key`` (all of ``now`` when it went back: the replica or its engine
+    restarted)."""
+    before = _SEEN.get(key, 0.0)
+    delta = now - before if now >= before else now
+    series = counter.labels(*labels)
+    if delta > 0:
+        series.inc(delta)
+    _SEEN[key] = now
 
 
 def observe_image_cache(model: str, replica: str, stats: dict[str, int]) -> None:
     """Fold one replica's cumulative image-cache counters (``grafting.image_cache.CacheStats.as_dict()``) into
     the metrics: counters grow by the difference to the last snapshot seen from that replica (all of it when
     the replica restarted and its counters went back), gauges are set."""
-    last = _IMAGE_CACHE_SEEN.get((model, replica), {})
     for name, counter in (("hits", IMAGE_CACHE_HITS), ("misses", IMAGE_CACHE_MISSES),
                           ("evictions", IMAGE_CACHE_EVICTIONS)):
-        now, before = int(stats.get(name, 0)), int(last.get(name, 0))
-        delta = now - before if now >= before else now
-        if delta > 0:
-            counter.labels(model, replica).inc(delta)
+        _grow(counter, (model, replica), (f"image_cache.{name}", model, replica), int(stats.get(name, 0)))
     IMAGE_CACHE_BYTES.labels(model, replica).set(int(stats.get("bytes", 0)))
     IMAGE_CACHE_ENTRIES.labels(model, replica).set(int(stats.get("entries", 0)))
-    _IMAGE_CACHE_SEEN[(model, replica)] = {k: int(stats.get(k, 0)) for k in ("hits", "misses", "evictions")}
+
+
+def observe_spec_decode(model: str, replica: str, counters: dict) -> None:
+    """Fold one replica's vLLM speculative-decoding counters (:func:`core.spec.acceptance.spec_counters`: cumulative
+    ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_pos``) into the metrics like
+    :func:`observe_image_cache`, and set the mean acceptance length ``1 + accepted / drafts`` (vLLM's) once there
+    are drafts."""
+    for name, counter in (("drafts", SPEC_DRAFTS), ("draft_tokens", SPEC_DRAFT_TOKENS), ("accepted", SPEC_ACCEPTED)):
+        _grow(counter, (model, replica), (f"spec.{name}", model, replica), float(counters.get(name) or 0.0))
+    for pos, value in enumerate(counters.get("accepted_per_pos") or []):
+        _grow(SPEC_ACCEPTED_PER_POS, (model, replica, str(pos)), (f"spec.pos{pos}", model, replica), float(value))
+    drafts = float(counters.get("drafts") or 0.0)
+    if drafts > 0:
+        SPEC_MEAN_ACCEPTANCE.labels(model, replica).set(1.0 + float(counters.get("accepted") or 0.0) / drafts)
+
+
+def observe_traffic_capture(model: str, replica: str, stats: dict) -> None:
+    """Fold one replica's traffic writer counters (``grafting.train.data.TrafficWriter.stats()``: cumulative
+    ``written``, ``dropped``; ``full``) into the metrics like :func:`observe_image_cache`."""
+    for outcome in ("written", "dropped"):
+        _grow(TRAFFIC_PROMPTS, (model, replica, outcome), (f"traffic.{outcome}", model, replica),
+              float(stats.get(outcome, 0)))
+    TRAFFIC_FULL.labels(model, replica).set(1 if stats.get("full") else 0)
 
 
 def observe_collapse(model: str, report: dict[str, int | bool]) -> None:
@@ -127,11 +184,18 @@ def observe_collapse(model: str, report: dict[str, int | bool]) -> None:
 
 
 def observe_vlm_end_event(model: str, event: dict) -> None:
-    """Metrics carried by a VLM ``end`` event: ``image_cache`` ``{"replica", "stats"}`` and ``collapse`` (a
-    guard report); either may be absent."""
+    """Metrics carried by a VLM ``end`` event: ``image_cache`` ``{"replica", "stats"}``, ``traffic_capture``
+    ``{"replica", "stats"}``, ``spec_decode`` ``{"replica", "counters"}`` and ``collapse`` (a guard report); any
+    may be absent."""
     cache = event.get("image_cache")
     if isinstance(cache, dict) and isinstance(cache.get("stats"), dict):
         observe_image_cache(model, str(cache.get("replica", "")), cache["stats"])
+    traffic = event.get("traffic_capture")
+    if isinstance(traffic, dict) and isinstance(traffic.get("stats"), dict):
+        observe_traffic_capture(model, str(traffic.get("replica", "")), traffic["stats"])
+    spec = event.get("spec_decode")
+    if isinstance(spec, dict) and isinstance(spec.get("counters"), dict):
+        observe_spec_decode(model, str(spec.get("replica", "")), spec["counters"])
     if isinstance(event.get("collapse"), dict):
         observe_collapse(model, event["collapse"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -43,6 +44,14 @@ class Deployment(EngineDeployment):
                            lambda client: VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
                                                                 llm_client=client), cfg.deployment.torch_threads)
         self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
+        self.traffic = None  # the traffic writer (grafting.train.data.TrafficWriter), when the profile turns capture on
+        capture = cfg.engine.traffic_capture
+        if capture.enabled:
+            from core.config import resolve_path
+            from grafting.train.data import TrafficWriter
+
+            self.traffic = TrafficWriter(resolve_path(model_dir, capture.path, local=True),
+                                         int(capture.max_mb * 2**20))
 
     async def stats(self) -> dict:
         """The engine's counters (:meth:`grafting.engine.VLMEngine.stats`): ``backend``, ``active`` requests
@@ -77,10 +86,24 @@ class Deployment(EngineDeployment):
                 raise engine_fault(exc) from exc
             yield input_error_event(exc)
             return
-        async for ev in self._events(prompt, params, response_format):
+        async for ev in self._events(prompt, params, response_format, request["messages"]):
             yield ev
 
-    async def _events(self, prompt, params, response_format):
+    def _capture(self, messages: list, prompt) -> None:
+        """Append the served conversation to the traffic dataset when capture is on
+        (:class:`grafting.train.data.TrafficWriter`: text as sent, each image as its image-cache key). A failed write
+        is logged, never the request's error."""
+        if self.traffic is None:
+            return
+        from grafting.image_cache import image_keys
+
+        keys = image_keys(prompt.pixel_values, prompt.image_grid_thw) if prompt.pixel_values is not None else []
+        try:
+            self.traffic.record(messages, keys)
+        except (OSError, ValueError) as exc:
+            logging.getLogger("chimera").warning("traffic capture: not written: %s", exc)
+
+    async def _events(self, prompt, params, response_format, messages):
         """``chat_stream``'s events after validation, the same for both backends: ``start``, ``delta``s, ``end``.
         A refusal before the first token (vLLM cannot compile a schema; the context check) is an input error
         event like ours; an unavailable engine raises. Closing this generator (the client went away) closes the
@@ -105,8 +128,9 @@ class Deployment(EngineDeployment):
                         ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
                     yield ev
                 if d.finish_reason is not None:
+                    self._capture(messages, prompt)
                     yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
-                           **self._end_extras(report)}
+                           **await self._end_extras(report)}
                     return
                 try:
                     d = await gen.__anext__()
@@ -117,20 +141,36 @@ class Deployment(EngineDeployment):
         finally:
             await gen.aclose()
 
-    def _end_extras(self, report) -> dict:
+    def replica_label(self) -> str:
+        """The ``replica`` label of this replica's series in /metrics (:func:`_replica_name` of this deployment)."""
+        return _replica_name(id(self))
+
+    async def _end_extras(self, report) -> dict:
         """What an ``end`` event carries for /metrics (``metrics.observe_vlm_end_event``): this replica's
-        image-cache counters and the answer's collapse-guard report."""
+        image-cache counters, its engine's speculative-decoding counters (where it speculates and answers: a
+        failed read leaves them out of this event), its traffic writer's counters (where capture is on) and the
+        answer's collapse-guard report."""
+        from core.llm_client import EngineUnavailableError
+
         out = {"collapse": dataclasses.asdict(report)}
         cache = self.engine.model.image_cache
         if cache is not None:
-            out["image_cache"] = {"replica": _replica_name(id(cache)), "stats": cache.stats().as_dict()}
+            out["image_cache"] = {"replica": self.replica_label(), "stats": cache.stats().as_dict()}
+        try:
+            spec = await self.engine.client.spec_decode()
+        except EngineUnavailableError:
+            spec = None
+        if spec is not None:
+            out["spec_decode"] = {"replica": self.replica_label(), "counters": spec}
+        if self.traffic is not None:
+            out["traffic_capture"] = {"replica": self.replica_label(), "stats": self.traffic.stats()}
         return out
 
 
 def _replica_name(local: int) -> str:
     """This Ray Serve replica's id; outside Ray Serve (LocalBackend: tests, notebooks) the process id and ``local``
-    (the deployment's image cache's id), so two deployments in one process keep apart the cumulative counters the
-    ingress folds into /metrics (``services.api.metrics.observe_image_cache``)."""
+    (the deployment's id), so two deployments in one process keep apart the cumulative counters the ingress folds
+    into /metrics (``services.api.metrics.observe_image_cache``, ``observe_spec_decode``)."""
     try:
         from ray import serve
 

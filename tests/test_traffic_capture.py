@@ -1,0 +1,164 @@
+"""The VLM's traffic dataset (grafting/train/data.py): off by default and validated at profile load; the writer's
+line format (text kept, images by reference only), its size cap (the line that would pass it and all later ones
+not written, one warning, counters and the /metrics series); the reader's text conversations and counted image
+skips, its refusals; ``chimera speculator train --traffic``'s refusal of a bad file before any work."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from grafting.train.data import TrafficWriter, read_traffic, traffic_line
+
+PNG = "data:image/png;base64,iVBORw0KGgo="
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def _chat(text: str, image: bool = False) -> list[dict]:
+    content = [{"type": "image_url", "image_url": {"url": PNG}}, {"type": "text", "text": text}] if image else text
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+
+
+def test_capture_is_off_by_default_and_its_keys_are_checked_at_profile_load():
+    from pydantic import ValidationError
+
+    from grafting.config import VLMConfig
+    from services.config.profiles import load_profile
+
+    assert VLMConfig().traffic_capture.enabled is False
+    for name in ("cpu", "gpu"):
+        assert load_profile(name).vlm.engine.traffic_capture.enabled is False
+    assert VLMConfig(traffic_capture={"enabled": True, "max_mb": 0.5}).traffic_capture.max_mb == 0.5
+    with pytest.raises(ValidationError, match="max_mb"):
+        VLMConfig(traffic_capture={"enabled": True, "max_mb": 0})
+    with pytest.raises(ValidationError, match="max_bytes"):
+        VLMConfig(traffic_capture={"enabled": True, "max_bytes": 10})
+
+
+def test_a_line_keeps_the_text_and_replaces_each_image_by_its_key():
+    line = traffic_line(_chat("What is this?", image=True), [KEY])
+    assert line == {"v": 1, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_ref", "key": KEY}, {"type": "text", "text": "What is this?"}]}]}
+    assert PNG not in json.dumps(line)
+    with pytest.raises(ValueError, match="image keys"):
+        traffic_line(_chat("x", image=True), [])
+    with pytest.raises(ValueError, match="image keys"):
+        traffic_line(_chat("x"), [KEY])
+
+
+def test_the_writer_stops_at_its_cap_and_says_so(tmp_path, caplog):
+    from prometheus_client import generate_latest
+
+    from services.api import metrics
+
+    path = tmp_path / "sub" / "traffic.jsonl"
+    one = len(json.dumps(traffic_line(_chat("Hello there"), []), ensure_ascii=False)) + 1
+    w = TrafficWriter(path, max_bytes=2 * one + 10)
+    with caplog.at_level(logging.WARNING, logger="chimera"):
+        assert w.record(_chat("Hello there"), []) and w.record(_chat("Hello there"), [])
+        assert not w.record(_chat("Hello there"), []) and not w.record(_chat("Hi"), [])
+    assert path.stat().st_size == 2 * one and (path.stat().st_mode & 0o777) == 0o600
+    assert w.stats() == {"written": 2, "dropped": 2, "full": True}
+    assert sum("reached its cap" in r.getMessage() for r in caplog.records) == 1
+    assert [json.loads(x)["messages"][1]["content"] for x in path.read_text().splitlines()] == ["Hello there"] * 2
+    again = TrafficWriter(path, max_bytes=2 * one)  # a new writer (replica restart) on a full file: full at once
+    assert again.full and not again.record(_chat("x"), [])
+    other = TrafficWriter(path, max_bytes=3 * one)  # another replica on the same file: the file's size counts
+    assert other.record(_chat("Hello there"), []) and not w.record(_chat("Hello there"), [])
+    path.unlink()  # deleting the file starts again
+    with caplog.at_level(logging.WARNING, logger="chimera"):
+        assert w.record(_chat("Hello there"), []) and not w.full and w.record(_chat("Hello there"), [])
+        assert not w.record(_chat("Hello there"), [])
+    assert sum("reached its cap" in r.getMessage() for r in caplog.records) == 3  # w twice, again once
+    assert w.stats() == {"written": 4, "dropped": 4, "full": True}
+    metrics.observe_vlm_end_event("test-traffic", {"traffic_capture": {"replica": "r", "stats": w.stats()}})
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'chimera_vlm_traffic_capture_prompts_total{model="test-traffic",outcome="dropped",replica="r"} 4.0' in text
+    assert 'chimera_vlm_traffic_capture_full{model="test-traffic",replica="r"} 1.0' in text
+
+
+def test_the_reader_returns_text_conversations_and_counts_image_skips(tmp_path):
+    path = tmp_path / "t.jsonl"
+    w = TrafficWriter(path, max_bytes=1 << 20)
+    w.record(_chat("One"), [])
+    w.record(_chat("Two", image=True), [KEY])
+    w.record(_chat("Three"), [])
+    conversations, skipped = read_traffic(path)
+    assert skipped == 1 and [c[1]["content"] for c in conversations] == ["One", "Three"]
+    for bad, why in (("{not json\n", "not JSON"), ('{"v": 2, "messages": []}\n', "not a traffic line"),
+                     ('{"v": 1}\n', "not a traffic line")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"v": 1, "messages": _chat("ok")}) + "\n" + bad)
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: {why}"):
+            read_traffic(tmp_path / "bad.jsonl")
+
+
+def test_speculator_train_refuses_a_bad_traffic_file_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    for arg, why in ((tmp_path / "bad.jsonl", "not JSON"), (tmp_path / "missing.jsonl", "No such file")):
+        r = CliRunner().invoke(app, ["speculator", "train", "--traffic", str(arg), "--out", str(tmp_path / "h")])
+        assert r.exit_code == 2 and why in r.output, r.output
+
+
+def test_a_replica_with_capture_on_writes_what_it_served_and_the_trainer_reads_it(profile, model_dir, astronaut,
+                                                                                  tmp_path):
+    """The real VLM deployment (transformers backend) with capture on, behind the real app: a text chat and an
+    image chat are answered and written (the image as its image-cache key); the reader gives the text one back and
+    counts the image one, and the speculator's prompt builder adds it to the training set as the ids the service
+    served."""
+    import asyncio
+
+    import httpx
+
+    from grafting.image_cache import image_keys
+    from grafting.train.quant_prompts import vlm_prompt_sets
+    from services.api.app import build_app
+    from services.config.profiles import parse_profile
+    from services.deployments.backends import LocalBackend
+    from services.deployments.vlm import Deployment
+    from tests.conftest import data_url
+
+    data = profile.model_dump(mode="json")
+    data["video"] = data["tts"] = None
+    data["vlm"]["engine"]["backend"] = "transformers"
+    data["vlm"]["engine"]["traffic_capture"] = {"enabled": True, "path": str(tmp_path / "traffic.jsonl"),
+                                                "max_mb": 1}
+    prof = parse_profile(data)
+    dep = Deployment(prof.vlm.model_dump(mode="json"), str(model_dir))
+    app = build_app(prof, {"vlm": LocalBackend(dep)})
+    url = data_url(astronaut)
+    chats = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": "What is in this picture?"}]}]]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            for m in chats:
+                r = await http.post("/v1/chat/completions", json={"model": "chimera-vlm", "messages": m,
+                                                                  "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+            return (await http.get("/metrics")).text
+
+    text = asyncio.run(go())
+    lines = [json.loads(x) for x in (tmp_path / "traffic.jsonl").read_text().splitlines()]
+    p = dep.engine.prepare(chats[1])
+    assert lines[0]["messages"] == chats[0]
+    assert lines[1]["messages"][0]["content"][0] == {"type": "image_ref",
+                                                     "key": image_keys(p.pixel_values, p.image_grid_thw)[0]}
+    assert url not in (tmp_path / "traffic.jsonl").read_text()
+    series = f'{{model="chimera-vlm",outcome="written",replica="{dep.replica_label()}"}}'
+    assert f"chimera_vlm_traffic_capture_prompts_total{series} 2.0" in text
+    conversations, skipped = read_traffic(tmp_path / "traffic.jsonl")
+    assert (conversations, skipped) == ([chats[0]], 1)
+    want = dep.engine.prepare(chats[0]).input_ids[0].long().tolist()
+    dep.engine.close()
+    sets = vlm_prompt_sets(prof.vlm.engine, model_dir, scene_heldout=1, scene_search=0, chat_search=0, fit="train",
+                           traffic=conversations, traffic_skipped=skipped)
+    assert [t.tolist() for t in sets["train"].prompts] == [want]
+    assert "1 captured text conversations (1 captured with images skipped" in sets["train"].description
