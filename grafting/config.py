@@ -78,12 +78,11 @@ class ImageCacheConfig(Strict):
 
 
 class TrafficCaptureConfig(Strict):
-    """Capture of the prompts the VLM served (``grafting.train.data.TrafficWriter``), for ``chimera speculator train
-    --traffic``. Off unless ``enabled``. ``path``: the JSONL dataset (relative to the model directory), one line
-    per answered chat request: its messages' text, each image as a reference (the image-cache key of its tower
-    input, never pixels or URLs). ``max_mb``: the file's cap in MiB; at the cap nothing more is written (a log
-    line and ``chimera_vlm_traffic_capture_full`` say so). docs/operations/speculator.md: what is stored, how to
-    delete it."""
+    """Capture of the prompts the VLM served (``grafting.traffic``), for ``chimera speculator train --traffic``.
+    Off unless ``enabled``. ``path``: the JSONL dataset (relative to the model directory), one line per answered
+    chat request: its messages' text, each image as a reference (the image-cache key of its tower input, never
+    pixels or URLs). ``max_mb``: the file's cap in MiB; at the cap nothing more is written (a log line and
+    ``chimera_vlm_traffic_capture_full`` say so). docs/operations/speculator.md: what is stored, how to delete it."""
 
     enabled: bool = False
     path: str = "vlm/traffic.jsonl"

@@ -8,7 +8,7 @@ its hidden states and writes a checkpoint in speculators' format with ``speculat
 profile refuses it for now, :func:`services.engines.vllm_server.served_speculation` says why);
 ``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
 the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`),
-with ``--traffic``'s captured text conversations (:func:`grafting.train.data.read_traffic`) added to the training set.
+with ``--traffic``'s captured text conversations (:func:`grafting.traffic.read_traffic`) added to the training set.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     out = Path(out or Path(model_dir) / "vlm" / "speculator-eagle3").resolve()
     conversations, skipped = None, 0
     if traffic is not None:
-        from grafting.train.data import read_traffic
+        from grafting.traffic import read_traffic
 
         try:
             conversations, skipped = read_traffic(traffic)

@@ -1,4 +1,4 @@
-"""The VLM's traffic dataset (grafting/train/data.py): off by default and validated at profile load; the writer's
+"""The VLM's traffic dataset (grafting/traffic.py): off by default and validated at profile load; the writer's
 line format (text kept, images by reference only), its size cap (the line that would pass it and all later ones
 not written, one warning, counters and the /metrics series); the reader's text conversations and counted image
 skips, its refusals; ``chimera speculator train --traffic``'s refusal of a bad file before any work."""
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from grafting.train.data import TrafficWriter, read_traffic, traffic_line
+from grafting.traffic import TrafficWriter, read_traffic, traffic_line
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
 KEY = "0123456789abcdef0123456789abcdef"

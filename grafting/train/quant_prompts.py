@@ -47,7 +47,7 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
     backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
-    ``traffic``: captured text conversations (:func:`grafting.train.data.read_traffic`) added to the fit set as
+    ``traffic``: captured text conversations (:func:`grafting.traffic.read_traffic`) added to the fit set as
     served (chat template, token ids); ``traffic_skipped``, the image conversations the reader skipped, is named in
     the set's description. Raises ValueError for another ``fit`` or a captured conversation the processor refuses
     (PromptError), OSError when a checkpoint is missing (run ``chimera prepare``)."""

@@ -118,7 +118,7 @@ SPEC_MEAN_ACCEPTANCE = Gauge("chimera_vlm_spec_decode_mean_acceptance_length",
                              "(as of its last answer; absent before its first draft)", ["model", "replica"],
                              registry=REGISTRY)
 
-# --- VLM traffic capture (grafting.train.data; opt-in per profile; counted from the replicas' chat end events) ---
+# --- VLM traffic capture (grafting.traffic; opt-in per profile; counted from the replicas' chat end events) ---
 TRAFFIC_PROMPTS = Counter("chimera_vlm_traffic_capture_prompts_total",
                           "Served conversations offered to a replica's traffic dataset, by outcome (written; dropped: "
                           "the file is at its max_mb cap)", ["model", "replica", "outcome"], registry=REGISTRY)
@@ -167,7 +167,7 @@ def observe_spec_decode(model: str, replica: str, counters: dict) -> None:
 
 
 def observe_traffic_capture(model: str, replica: str, stats: dict) -> None:
-    """Fold one replica's traffic writer counters (``grafting.train.data.TrafficWriter.stats()``: cumulative
+    """Fold one replica's traffic writer counters (``grafting.traffic.TrafficWriter.stats()``: cumulative
     ``written``, ``dropped``; ``full``) into the metrics like :func:`observe_image_cache`."""
     for outcome in ("written", "dropped"):
         _grow(TRAFFIC_PROMPTS, (model, replica, outcome), (f"traffic.{outcome}", model, replica),

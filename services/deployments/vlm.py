@@ -44,11 +44,11 @@ class Deployment(EngineDeployment):
                            lambda client: VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
                                                                 llm_client=client), cfg.deployment.torch_threads)
         self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
-        self.traffic = None  # the traffic writer (grafting.train.data.TrafficWriter), when the profile turns capture on
+        self.traffic = None  # the traffic dataset's writer (grafting.traffic), when the profile turns capture on
         capture = cfg.engine.traffic_capture
         if capture.enabled:
             from core.config import resolve_path
-            from grafting.train.data import TrafficWriter
+            from grafting.traffic import TrafficWriter
 
             self.traffic = TrafficWriter(resolve_path(model_dir, capture.path, local=True),
                                          int(capture.max_mb * 2**20))
@@ -90,9 +90,8 @@ class Deployment(EngineDeployment):
             yield ev
 
     def _capture(self, messages: list, prompt) -> None:
-        """Append the served conversation to the traffic dataset when capture is on
-        (:class:`grafting.train.data.TrafficWriter`: text as sent, each image as its image-cache key). A failed write
-        is logged, never the request's error."""
+        """Append the served conversation to the traffic dataset when capture is on (:mod:`grafting.traffic`:
+        text as sent, each image as its image-cache key). A failed write is logged, never the request's error."""
         if self.traffic is None:
             return
         from grafting.image_cache import image_keys
