@@ -31,6 +31,34 @@ SEARCH_CHAT_PROMPTS = [
     "What is the capital of Italy?", "Describe a forest in one sentence.",
 ]
 
+# More text prompts for the speculator's chat training set (templates x topics; none is a held-out TEXT_PROMPTS one)
+CHAT_TEMPLATES = [
+    "What is {}?", "Write a short poem about {}.", "Explain {} in one sentence.", "Give me two facts about {}.",
+    "Describe {} in a few words.", "Why do people like {}?", "Write one sentence about {}.",
+    "List three things related to {}.", "Tell me a fun fact about {}.", "How would you explain {} to a child?",
+]
+CHAT_TOPICS = [
+    "the moon", "volcanoes", "chess", "bicycles", "honey", "the ocean", "rain", "pizza", "libraries", "winter",
+    "elephants", "coffee", "the internet", "gardening", "music", "bridges", "clouds", "football", "bread",
+    "the sun", "rivers", "owls", "mathematics", "painting", "deserts", "snow", "robots", "tea", "mountains",
+    "friendship", "electricity", "the heart", "apples", "maps", "airplanes", "penguins", "history", "soap",
+    "rainbows", "sleep", "lions", "glass", "the alphabet", "cheese", "wind", "computers", "bees", "summer",
+    "dinosaurs", "the brain",
+]
+
+
+def train_chat_prompts(n: int) -> list[str]:
+    """The first ``n`` text prompts of the speculator's chat training set: :data:`SEARCH_CHAT_PROMPTS`, then
+    :data:`CHAT_TEMPLATES` x :data:`CHAT_TOPICS` (500) in a fixed shuffled order, each once, without any held-out
+    :data:`~grafting.train.evaluate.TEXT_PROMPTS`. Raises ValueError when ``n`` exceeds the 507 there are."""
+    made = [t.format(topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
+    random.Random(0).shuffle(made)
+    held = set(TEXT_PROMPTS)
+    pool = [p for p in dict.fromkeys(SEARCH_CHAT_PROMPTS + made) if p not in held]
+    if n > len(pool):
+        raise ValueError(f"{n} chat training prompts: there are {len(pool)}")
+    return pool[:n]
+
 
 def _scene_messages(rng: random.Random, split: str) -> list[dict]:
     scene = sample_scene(rng, split)
@@ -46,9 +74,12 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
     backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
-    Raises ValueError for another ``fit``, OSError when a checkpoint is missing (run ``chimera prepare``)."""
+    ``chat_search`` text prompts come from :func:`train_chat_prompts` (the first 8 are :data:`SEARCH_CHAT_PROMPTS`).
+    Raises ValueError for another ``fit`` or too many chat prompts, OSError when a checkpoint is missing (run
+    ``chimera prepare``)."""
     if fit not in ("search", "train"):
         raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
+    chat_texts = train_chat_prompts(chat_search)
     from ..engine import VLMEngine
 
     engine = VLMEngine.from_config(config, model_dir)
@@ -62,10 +93,10 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
 
         rng = random.Random(seed)
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
-        search += [ids(t) for t in SEARCH_CHAT_PROMPTS[:chat_search]]
+        search += [ids(t) for t in chat_texts]
         return {
             fit: PromptSet(fit, f"{scene_search} train-split scene questions (image embeddings) and "
-                                          f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts", search),
+                                          f"{len(chat_texts)} text prompts", search),
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
                                           f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),
             "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",
