@@ -42,9 +42,12 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
                                                              "prompts)"),
           pack_tokens: int = typer.Option(2048, min=16, help="tokens per packed training batch"),
           seed: int = typer.Option(0, help="scene draws, initialisation and batch order"),
-          threads: int = typer.Option(2, min=1, help="torch threads of the worker")):
+          threads: int = typer.Option(2, min=1, help="torch threads of the worker"),
+          device: str = typer.Option("cpu", help="where the verifier (in the profile's dtype) and the head run: cpu "
+                                                 "or cuda (the gpu profile's GLM-4-9B)")):
     """Distill, train, measure acceptance on the held-out sets, write the head and speculator.json; print the
-    table. Exit 2: refused (a profile error, no vlm section, an unknown --train-kinds, an empty training set);
+    table. Exit 2: refused (a profile error, no vlm section, an unknown --train-kinds or --device, an empty
+    training set);
     exit 1: the worker failed."""
     from core.config import resolve_path
     from core.quant.prompts import write_prompts
@@ -63,6 +66,8 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
         refuse(str(err))
     if prof.vlm is None:
         refuse(f"profile {prof.name} has no vlm section")
+    if device not in ("cpu", "cuda"):
+        refuse(f"--device {device!r}: cpu or cuda")
     if train_kinds not in TRAIN_KINDS:
         refuse(f"--train-kinds {train_kinds!r}: one of {', '.join(TRAIN_KINDS)}")
     n_scenes = 0 if train_kinds == "chat" else train_scenes
@@ -85,7 +90,8 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
         prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
         spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,
                 "answer_tokens": answer_tokens, "draft_vocab": draft_vocab, "steps": steps, "lr": lr,
-                "ttt_steps": tokens, "pack_tokens": pack_tokens, "batch": 8, "seed": seed, "threads": threads}
+                "ttt_steps": tokens, "pack_tokens": pack_tokens, "batch": 8, "seed": seed, "threads": threads,
+                "device": device, "verifier_dtype": cfg.dtype}
         try:
             record = train_head(spec, Path(tmp) / "spec.json", echo=typer.echo)
         except SpeculatorTrainError as e:

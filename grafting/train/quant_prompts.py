@@ -73,7 +73,8 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
                     fit: str = "search") -> dict[str, PromptSet]:
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
-    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
+    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes
+    (with ``fit="train"`` the held-out ones from a stream of their own: the same whatever ``scene_search``).
     ``chat_search`` text prompts come from :func:`train_chat_prompts` (the first 8 are :data:`SEARCH_CHAT_PROMPTS`).
     Raises ValueError for another ``fit`` or too many chat prompts, OSError when a checkpoint is missing (run
     ``chimera prepare``)."""
@@ -93,12 +94,15 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
 
         rng = random.Random(seed)
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
+        # the speculator's held-out scenes do not depend on how many training scenes were drawn (heads trained on
+        # different kinds are scored on the same scenes); chimera quantize's continue the one stream, as before
+        held_rng = random.Random(f"{seed}-heldout") if fit == "train" else rng
         search += [ids(t) for t in chat_texts]
         return {
             fit: PromptSet(fit, f"{scene_search} train-split scene questions (image embeddings) and "
                                           f"{len(chat_texts)} text prompts", search),
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
-                                          f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),
+                                          f"served)", [embeds(_scene_messages(held_rng, "test")) for _ in range(scene_heldout)]),
             "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",
                               [ids(t) for t in TEXT_PROMPTS]),
         }
