@@ -13,11 +13,11 @@ several tokens per step), the mean acceptance length from the difference of vLLM
 (:func:`core.spec.acceptance.counters_from_metrics`), and the ratios to ``none``. Greedy answers (token ids) must
 be identical to ``none``'s at the same concurrency: the mismatches are printed and the exit status is 1.
 
-    .venv/bin/python bench/speculator.py [--head DIR] [--methods none,ngram,eagle3] [--concurrency 1,8]
+    .venv/bin/python bench/speculator.py [--head DIR ...] [--methods none,ngram,eagle3] [--concurrency 1,8]
         [--prompts 24] [--max-tokens 64] [--quick]
 
-``--head`` defaults to ``<model_dir>/vlm/speculator-eagle3`` (where ``chimera speculator train`` writes); eagle3 is
-skipped with a note when no head is there. ``--quick`` (``make bench``): 8 prompts, 32 tokens each.
+``--head`` (repeatable: one eagle3 arm per head) defaults to ``<model_dir>/vlm/speculator-eagle3`` (where
+``chimera speculator train`` writes); a head that is missing or not made for the LLM is skipped with a note. ``--quick`` (``make bench``): 8 prompts, 32 tokens each.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def parser() -> argparse.ArgumentParser:
     """This benchmark's command line (bench/gpu_quant.py validates bench/gpu_scale.sh's calls with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="cpu")
-    ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default <model_dir>/vlm/speculator-eagle3)")
+    ap.add_argument("--head", action="append", default=None,
+                    help="EAGLE-3 head folder, repeatable: one eagle3 arm each (default <model_dir>/vlm/speculator-eagle3)")
     ap.add_argument("--methods", default="none,ngram,eagle3")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompts", type=int, default=24)
@@ -167,22 +168,25 @@ def main() -> int:
         prompts.append(list(r["input_ids"] if hasattr(r, "keys") else r))
     levels = [int(c) for c in a.concurrency.split(",")]
     methods = a.methods.split(",")
-    head = a.head or str(Path(model_dir) / "vlm" / "speculator-eagle3")
+    heads = a.head or [str(Path(model_dir) / "vlm" / "speculator-eagle3")]
     print(cpu_description())
     print(f"vLLM on {llm}: {len(prompts)} text prompts (token ids), greedy, {a.max_tokens} tokens at most, "
           f"{a.tokens} speculative tokens, OMP threads {cfg.vllm.cpu_threads}")
-    if "eagle3" in methods:
+    arms = [(m, m, None) for m in methods if m != "eagle3"]  # (label, method, head)
+    for head in heads if "eagle3" in methods else []:
         try:
             verify_head(head, llm)
-            print(f"eagle3 head: {head}")
+            arms.append((f"eagle3 {Path(head).name}", "eagle3", head))
+            print(f"eagle3 {Path(head).name}: {head}")
         except SpeculatorError as e:
             print(f"eagle3: skipped ({e}; chimera speculator train writes one)")
-            methods.remove("eagle3")
     results = {}
-    for m in methods:
+    for label, m, head in arms:
         t0 = time.perf_counter()
-        results[m] = measure(spec_config(cfg, m, head, a.tokens, max(levels)), llm, prompts, levels, a.max_tokens)
-        print(f"{m}: measured in {time.perf_counter() - t0:.0f} s (server start included)", flush=True)
+        results[label] = measure(spec_config(cfg, m, head, a.tokens, max(levels)), llm, prompts, levels,
+                                 a.max_tokens)
+        print(f"{label}: measured in {time.perf_counter() - t0:.0f} s (server start included)", flush=True)
+    methods = [label for label, _, _ in arms]
     print("| method | concurrent | tokens | tok/s | ITL p50 ms | ITL p95 ms | mean acceptance length | tok/s vs none |")
     print("|---|---|---|---|---|---|---|---|")
     bad = 0
