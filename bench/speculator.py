@@ -94,11 +94,13 @@ async def run_level(client, prompts: list[list[int]], concurrency: int, max_toke
     return {"answers": answers, "tokens": sum(map(len, answers)), "seconds": time.perf_counter() - t0, "itl": itl}
 
 
-def measure(cfg, llm: str, prompts: list[list[int]], levels: list[int], max_tokens: int) -> dict[int, dict]:
+def measure(cfg, llm: str, prompts: list[list[int]], levels: list[int], max_tokens: int,
+            log_to: Path | None = None) -> dict[int, dict]:
     """Start vLLM for ``cfg`` (serving ``llm``), warm it with one request, run each concurrency level (the
-    acceptance counters read from ``/metrics`` before and after each), stop it. Returns per level the
-    :func:`run_level` result plus ``acceptance`` (:func:`core.spec.acceptance.from_vllm_counters`, NaN without
-    speculation). Raises RuntimeError when the server does not become ready (its log's tail)."""
+    acceptance counters read from ``/metrics`` before and after each), stop it (its log written to ``log_to``
+    when given). Returns per level the :func:`run_level` result plus ``acceptance``
+    (:func:`core.spec.acceptance.from_vllm_counters`, NaN without speculation). Raises RuntimeError when the
+    server does not become ready (its log's tail)."""
     import httpx
 
     from core.spec.acceptance import counters_from_metrics, from_vllm_counters
@@ -127,6 +129,8 @@ def measure(cfg, llm: str, prompts: list[list[int]], levels: list[int], max_toke
 
         return asyncio.run(levels_run())
     finally:
+        if log_to is not None:
+            log_to.write_text(client.server.log_tail(1_000_000))
         client.close()
 
 
@@ -142,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=3, help="num_speculative_tokens (an EAGLE-3 head's own)")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens (make bench)")
+    ap.add_argument("--logs", type=Path, default=None, help="a folder for each vLLM server's log")
     return ap
 
 
@@ -183,8 +188,11 @@ def main() -> int:
     results = {}
     for label, m, head in arms:
         t0 = time.perf_counter()
+        log = a.logs / f"{label.replace(' ', '-')}.log" if a.logs else None
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
         results[label] = measure(spec_config(cfg, m, head, a.tokens, max(levels)), llm, prompts, levels,
-                                 a.max_tokens)
+                                 a.max_tokens, log)
         print(f"{label}: measured in {time.perf_counter() - t0:.0f} s (server start included)", flush=True)
     methods = [label for label, _, _ in arms]
     print("| method | concurrent | tokens | tok/s | ITL p50 ms | ITL p95 ms | mean acceptance length | tok/s vs none |")
