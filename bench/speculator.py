@@ -13,6 +13,11 @@ several tokens per step), the mean acceptance length from the difference of vLLM
 (:func:`core.spec.acceptance.counters_from_metrics`), and the ratios to ``none``. Greedy answers (token ids) must
 be identical to ``none``'s at the same concurrency: the mismatches are printed and the exit status is 1.
 
+Every server gets ``LD_PRELOAD`` of the vLLM environment's Intel OpenMP (``lib/libiomp5.so``) unless ``--no-iomp``:
+vLLM's CPU worker warns that speculative decoding without it "will cause significant performance loss"
+(``vllm/v1/worker/cpu_worker.py``); measured here, n-gram at 1 request 1.2 tok/s without it, 7.1 with it. The
+service's vLLM server does not preload it (yet), so ``--no-iomp`` measures what the service serves.
+
     .venv/bin/python bench/speculator.py [--head DIR ...] [--methods none,ngram,eagle3] [--concurrency 1,8]
         [--prompts 24] [--max-tokens 64] [--quick]
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.tts_concurrency import pct  # noqa: E402
 
+IOMP = "libiomp5.so"  # Intel OpenMP, in the vLLM environment's lib/ (vllm/v1/worker/cpu_worker.py asks for it)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -147,6 +154,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=3, help="num_speculative_tokens (an EAGLE-3 head's own)")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 32 tokens (make bench)")
     ap.add_argument("--logs", type=Path, default=None, help="a folder for each vLLM server's log")
+    ap.add_argument("--no-iomp", action="store_true", help="start vLLM as the service does, without Intel OpenMP "
+                                                           "in LD_PRELOAD")
     return ap
 
 
@@ -159,6 +168,7 @@ def main() -> int:
     from core.spec.record import SpeculatorError, verify_head
     from grafting.train.evaluate import TEXT_PROMPTS
     from services.config.profiles import load_profile
+    from services.engines.vllm_server import vllm_python
     from video.sparse import cpu_description
 
     prof = load_profile(a.profile)
@@ -175,6 +185,13 @@ def main() -> int:
     methods = a.methods.split(",")
     heads = a.head or [str(Path(model_dir) / "vlm" / "speculator-eagle3")]
     print(cpu_description())
+    iomp = Path(vllm_python(cfg.vllm.python)).parent.parent / "lib" / IOMP
+    if not a.no_iomp and iomp.exists():  # inherited by each server this process starts
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(iomp)]))
+        print(f"every arm: LD_PRELOAD={iomp} (vLLM: speculative decoding on CPU without Intel OpenMP preloaded "
+              f"loses much; the service does not preload it; --no-iomp measures it as served)")
+    else:
+        print("every arm: without Intel OpenMP preloaded, as the service starts vLLM")
     print(f"vLLM on {llm}: {len(prompts)} text prompts (token ids), greedy, {a.max_tokens} tokens at most, "
           f"{a.tokens} speculative tokens, OMP threads {cfg.vllm.cpu_threads}")
     arms = [(m, m, None) for m in methods if m != "eagle3"]  # (label, method, head)
