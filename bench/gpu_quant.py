@@ -127,8 +127,26 @@ def validate(argv: list[str]) -> None:
         except (typer.TyperException, ProfileError) as e:
             raise ValueError(f"{' '.join(argv)}: {e}") from None
         return
+    if "chimera" in names[:1] and argv[1:2] == ["speculator"]:
+        from services.config.profiles import ProfileError, load_profile
+        from services.speculator_cli import TRAIN_KINDS, speculator_app
+
+        cmd = typer.main.get_command(speculator_app)
+        sub = argv[2] if len(argv) > 2 else ""
+        try:
+            ctx = cmd.commands[sub].make_context(sub, list(argv[3:]))
+            if sub == "train":
+                p = ctx.params
+                if p["train_kinds"] not in TRAIN_KINDS or p["device"] not in ("cpu", "cuda"):
+                    raise ValueError(f"--train-kinds {p['train_kinds']!r} --device {p['device']!r}")
+                load_profile(p["profile"])
+        except KeyError:
+            raise ValueError(f"{' '.join(argv)}: no speculator command {sub!r}") from None
+        except (typer.TyperException, ValueError, ProfileError) as e:
+            raise ValueError(f"{' '.join(argv)}: {_why(e)}") from None
+        return
     script = next((a for a in argv if a.endswith(".py")), None)
-    if script and Path(script).name in ("quantization.py", "tts_concurrency.py"):
+    if script and Path(script).name in ("quantization.py", "tts_concurrency.py", "speculator.py"):
         import importlib
 
         from services.config.profiles import ProfileError, load_profile

@@ -73,3 +73,17 @@ run_q "$PY" bench/tts_concurrency.py --profile "$QD/gpu1-fp8.yaml" --engines tra
 run_q "$CHIMERA" profile show --profile "$QD/gpu1-bf16.yaml" --gpus 2 --gpu-memory 141GB
 run_q "$CHIMERA" profile show --profile "$QD/gpu1-fp8.yaml" --gpus 2 --gpu-memory 141GB
 echo "gpu_scale.sh: quantization part: $N_Q commands $([ "$DRY" = 1 ] && echo validated || echo run)"
+
+# EAGLE-3 draft head for GLM-4-9B (issue 28; docs/operations/speculator.md): self-distilled on the GPU from the
+# scene and chat traffic (its decoder layer a Llama layer of GLM-4-9B's widths, core.spec.worker.head_layer_config;
+# layers 2, 20, 37), the acceptance table, then vLLM with none / n-gram / the head at 1 and 8 requests (tok/s,
+# inter-token latency, acceptance from vLLM's counters, greedy answers identical). vLLM 0.32's Glm4ForCausalLM does
+# not implement SupportsEagle3 (the aux hidden states EAGLE-3 reads); the eagle3 arm needs a vLLM that does.
+N_Q=0
+run_q "$CHIMERA" speculator train --profile "$QD/gpu1-bf16.yaml" --device cuda --train-kinds both --train-scenes 512 \
+  --train-chat 507 --heldout-scenes 128 --answer-tokens 256 --steps 2000 --pack-tokens 8192 --draft-vocab 32768 \
+  --threads 8 --out "$QD/vlm/speculator-eagle3"
+run_q "$CHIMERA" speculator report "$QD/vlm/speculator-eagle3"
+run_q "$PY" bench/speculator.py --profile "$QD/gpu1-bf16.yaml" --head "$QD/vlm/speculator-eagle3" \
+  --methods none,ngram,eagle3 --concurrency 1,8 --prompts 24 --max-tokens 256
+echo "gpu_scale.sh: speculator part: $N_Q commands $([ "$DRY" = 1 ] && echo validated || echo run)"

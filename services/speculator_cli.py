@@ -18,6 +18,8 @@ from pathlib import Path
 
 import typer
 
+TRAIN_KINDS = ("scene", "chat", "both")  # --train-kinds: the training set's kinds of traffic
+
 speculator_app = typer.Typer(add_completion=False, no_args_is_help=True,
                              help="Train and inspect EAGLE-3 draft heads (speculative decoding) for the VLM's LLM.")
 
@@ -31,18 +33,26 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
                                                     "this num_speculative_tokens)"),
           draft_vocab: int = typer.Option(8192, min=1, help="draft vocabulary: the most frequent answer tokens"),
           answer_tokens: int = typer.Option(64, min=2, help="greedy answer length per prompt (EOS ends it sooner)"),
-          train_scenes: int = typer.Option(32, min=0, help="train-split scene questions in the training set (plus "
-                                                          "8 text prompts)"),
+          train_kinds: str = typer.Option("both", help="the training set's traffic: scene (scene questions only), "
+                                                        "chat (text prompts only) or both"),
+          train_scenes: int = typer.Option(32, min=0, help="train-split scene questions in the training set (0 with "
+                                                          "--train-kinds chat)"),
+          train_chat: int = typer.Option(8, min=0, help="text prompts in the training set, none of them held out "
+                                                       "(0 with --train-kinds scene; at most 507)"),
           heldout_scenes: int = typer.Option(16, min=1, help="held-out test-split scene questions (plus 24 text "
                                                              "prompts)"),
           pack_tokens: int = typer.Option(2048, min=16, help="tokens per packed training batch"),
           seed: int = typer.Option(0, help="scene draws, initialisation and batch order"),
           threads: int = typer.Option(2, min=1, help="torch threads of the worker"),
+          device: str = typer.Option("cpu", help="where the verifier (in the profile's dtype) and the head run: cpu "
+                                                 "or cuda (the gpu profile's GLM-4-9B)"),
           traffic: Path = typer.Option(None, help="a captured traffic dataset (vlm.engine.traffic_capture's JSONL): "
                                                   "its text conversations join the training set; those with "
                                                   "images are skipped and counted")):
     """Distill, train, measure acceptance on the held-out sets, write the head and speculator.json; print the
-    table. Exit 2: refused (a profile error, no vlm section); exit 1: the worker failed."""
+    table. Exit 2: refused (a profile error, no vlm section, an unknown --train-kinds or --device, an empty
+    training set);
+    exit 1: the worker failed."""
     from core.config import resolve_path
     from core.quant.prompts import write_prompts
     from core.spec.report import acceptance_table
@@ -60,6 +70,12 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
         refuse(str(err))
     if prof.vlm is None:
         refuse(f"profile {prof.name} has no vlm section")
+    if device not in ("cpu", "cuda"):
+        refuse(f"--device {device!r}: cpu or cuda")
+    if train_kinds not in TRAIN_KINDS:
+        refuse(f"--train-kinds {train_kinds!r}: one of {', '.join(TRAIN_KINDS)}")
+    n_scenes = 0 if train_kinds == "chat" else train_scenes
+    n_chat = 0 if train_kinds == "scene" else train_chat
     cfg = prof.vlm.engine
     model_dir = prof.resolved_model_dir()
     llm_dir = resolve_path(model_dir, cfg.llm)
@@ -74,21 +90,24 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             refuse(f"--traffic: {e}")
         typer.echo(f"traffic: {len(conversations)} text conversations from {traffic}; {skipped} with images "
                    f"skipped (an image reference cannot be re-made into embeddings)")
+    if n_scenes + n_chat + len(conversations or []) == 0:
+        refuse(f"--train-kinds {train_kinds}: the training set would be empty")
     with tempfile.TemporaryDirectory(prefix="chimera-speculator-") as tmp:
         typer.echo(f"prompts: building the training and held-out sets ({prof.name} profile)")
         from grafting.train.quant_prompts import vlm_prompt_sets
 
         try:
-            sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=train_scenes,
-                                   seed=seed, fit="train", traffic=conversations, traffic_skipped=skipped)
-        except ValueError as e:  # a captured conversation the processor refuses (PromptError)
-            if conversations is None:
-                raise
-            refuse(f"--traffic: a captured conversation is refused: {e}")
+            sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=n_scenes,
+                                   chat_search=n_chat, seed=seed, fit="train", traffic=conversations,
+                                   traffic_skipped=skipped)
+        except ValueError as e:  # too many chat prompts, or a captured conversation the processor refuses
+            refuse(f"--traffic: a captured conversation is refused: {e}" if conversations and "chat training prompts"
+                   not in str(e) else str(e))
         prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
         spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,
                 "answer_tokens": answer_tokens, "draft_vocab": draft_vocab, "steps": steps, "lr": lr,
-                "ttt_steps": tokens, "pack_tokens": pack_tokens, "batch": 8, "seed": seed, "threads": threads}
+                "ttt_steps": tokens, "pack_tokens": pack_tokens, "batch": 8, "seed": seed, "threads": threads,
+                "device": device, "verifier_dtype": cfg.dtype}
         try:
             record = train_head(spec, Path(tmp) / "spec.json", echo=typer.echo)
         except SpeculatorTrainError as e:

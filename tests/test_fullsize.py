@@ -88,7 +88,8 @@ def _check_lever_table(stdout: str) -> None:
     ("gpu_check.sh", ["gpu_check --dry-run", "cpu profile"]),
     ("gpu_scale.sh", ["gpu_scale --dry-run", "Wan2.1-1.3B transformer", "(21, 30, 52) = 32760 tokens",
                       "296 blocks", "GLM-4-9B-0414", "9.40B params", "Orpheus 3B LM", "MoonViT tower",
-                      *(f"Wan2.1 loop: {r}" for r in LEVER_ROWS), "quantization part: 8 commands validated"]),
+                      *(f"Wan2.1 loop: {r}" for r in LEVER_ROWS), "quantization part: 8 commands validated",
+                      "speculator part: 3 commands validated"]),
 ])
 def test_gpu_scripts_dry_run(script, expect):
     proc = subprocess.run(["bash", str(ROOT / "bench" / script), "--dry-run"], capture_output=True, text=True,

@@ -344,7 +344,9 @@ def test_gpu_scale_quantization_commands_parse_with_the_cli_as_it_is(tmp_path):
     cmds = _gpu_scale_commands(tmp_path)
     assert len(cmds) >= 8
     programs = {c[1] if c[0].endswith("chimera") else c[1].rsplit("/", 1)[-1] for c in cmds}
-    assert programs == {"quantize", "profile", "quantization.py", "tts_concurrency.py"}
+    assert programs == {"quantize", "profile", "quantization.py", "tts_concurrency.py", "speculator", "speculator.py"}
+    train = next(c for c in cmds if c[1:3] == ["speculator", "train"])
+    assert train[train.index("--device") + 1] == "cuda"
     assert sum("fp8" in c and "quantize" in c[1:2] and "report" not in c for c in cmds) == 2  # vlm and tts
     for c in cmds:
         validate(c)
@@ -361,6 +363,11 @@ def test_gpu_scale_quantization_commands_parse_with_the_cli_as_it_is(tmp_path):
     [".venv/bin/python", "bench/tts_concurrency.py", "--profile", "gpu", "--stream-count", "8"],
     [".venv/bin/chimera", "profile", "show", "--profile", "gpu", "--gpu", "1"],
     [".venv/bin/chimera", "serve", "--profile", "gpu"],
+    [".venv/bin/chimera", "speculator", "train", "--profile", "gpu", "--device", "tpu"],
+    [".venv/bin/chimera", "speculator", "train", "--profile", "gpu", "--train-kinds", "images"],
+    [".venv/bin/chimera", "speculator", "train", "--profile", "gpu", "--draft-tokens", "3"],
+    [".venv/bin/chimera", "speculator", "show", "runs/x"],
+    [".venv/bin/python", "bench/speculator.py", "--profile", "gpu", "--concurrency"],
 ])
 def test_gpu_scale_command_validator_refuses_what_the_cli_would(bad):
     from bench.gpu_quant import validate

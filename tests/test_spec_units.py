@@ -209,3 +209,62 @@ def test_speculator_report_refuses_a_folder_without_its_record(tmp_path):
     assert r.exit_code == 2 and "speculator.json is missing" in r.output
     r = CliRunner().invoke(app, ["speculator", "train", "--profile", str(tmp_path / "none.yaml")])
     assert r.exit_code == 2, r.output
+
+
+def test_train_chat_prompts_hold_out_the_chat_set():
+    """The chat training prompts: the 8 search prompts first, then the 499 templated ones not among them ("Write a
+    short poem about rain." is both) in a fixed order; none is a held-out text prompt, all distinct; more than there
+    are is refused."""
+    from grafting.train.evaluate import TEXT_PROMPTS
+    from grafting.train.quant_prompts import SEARCH_CHAT_PROMPTS, train_chat_prompts
+
+    every = train_chat_prompts(507)
+    assert every[:8] == SEARCH_CHAT_PROMPTS and len(set(every)) == 507
+    assert not set(every) & set(TEXT_PROMPTS)
+    assert train_chat_prompts(12) == every[:12] and train_chat_prompts(0) == []
+    with pytest.raises(ValueError, match="508 chat training prompts: there are 507"):
+        train_chat_prompts(508)
+
+
+def test_speculator_train_refuses_unknown_kinds_and_an_empty_set():
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    r = CliRunner().invoke(app, ["speculator", "train", "--train-kinds", "images"])
+    assert r.exit_code == 2 and "--train-kinds 'images': one of scene, chat, both" in r.output
+    r = CliRunner().invoke(app, ["speculator", "train", "--train-kinds", "scene", "--train-scenes", "0"])
+    assert r.exit_code == 2 and "the training set would be empty" in r.output
+
+
+def test_bench_token_latencies_and_percentiles():
+    """bench/speculator.py's inter-token latencies: a first chunk of 2 tokens at 1.0 s (TTFT, then 0 for the
+    second), one token at 1.5 s (0.5), a chunk of 3 at 2.1 s (0.2 each; speculation's accepted tokens), an empty
+    usage chunk ignored; the percentiles are bench/tts_concurrency.py's."""
+    from bench.speculator import token_latencies
+    from bench.tts_concurrency import pct
+
+    itl = token_latencies([(1.0, 2), (1.5, 1), (1.6, 0), (2.1, 3)], 0.0)
+    assert itl == pytest.approx([0.0, 0.5, 0.2, 0.2, 0.2])
+    assert pct(itl, 0.5) == pytest.approx(0.2) and pct(itl, 0.95) == pytest.approx(0.44)
+
+
+def test_head_layer_config_for_glm4_is_a_llama_layer_of_its_widths():
+    """GLM-4-9B-0414's config (transformers' Glm4Config defaults are its sizes): speculators builds only Llama and
+    Qwen3 EAGLE-3 layers, so the head gets a 1-layer LlamaConfig of GLM's widths with full rotary; a Llama verifier
+    keeps its own config (1 layer), and neither argument is changed."""
+    from transformers import Glm4Config, LlamaConfig
+
+    from core.spec.worker import head_layer_config
+
+    glm = Glm4Config()
+    h = head_layer_config(glm)
+    assert h.model_type == "llama" and glm.num_hidden_layers == 40
+    assert (h.num_hidden_layers, h.hidden_size, h.intermediate_size, h.vocab_size) == (1, 4096, 13696, 151552)
+    assert (h.num_attention_heads, h.num_key_value_heads, h.head_dim) == (32, 2, 128)
+    assert h.rms_norm_eps == glm.rms_norm_eps and h.rope_parameters["rope_theta"] == 10000.0
+    assert not getattr(h, "attention_bias", False)
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=4)
+    own = head_layer_config(llama)
+    assert own.model_type == "llama" and own.num_hidden_layers == 1 and llama.num_hidden_layers == 4
+    assert own.hidden_size == 64

@@ -25,6 +25,7 @@ Steps, for a Llama-architecture verifier LM in ``verifier`` (the weights the ser
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import sys
@@ -72,17 +73,20 @@ def _until_eos(tokens: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def distill(model, prompts: list[torch.Tensor], layer_ids: list[int], answer_tokens: int, eos_ids: list[int],
             batch: int) -> list[Sequence]:
-    """Greedy answers of ``model`` to ``prompts`` (``(T,)`` int64 ids or ``(T, H)`` float32 embeddings) and the
-    states of :class:`Sequence` over prompt + answer. Batches of ``batch`` prompts, left-padded."""
+    """Greedy answers of ``model`` to ``prompts`` (``(T,)`` int64 ids or ``(T, H)`` float32 embeddings, on the CPU)
+    and the states of :class:`Sequence` over prompt + answer (float32, on the CPU, whatever the model's device and
+    dtype). Batches of ``batch`` prompts, left-padded."""
     embed = model.get_input_embeddings()
+    dev, dtype = embed.weight.device, embed.weight.dtype
+    prompts = [p.to(dev) if p.dtype == torch.int64 else p.to(dev, dtype) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0])
     answers: dict[int, torch.Tensor] = {}
     for b in range(0, len(order), batch):
         idx = order[b:b + batch]
-        es = [embed(prompts[i]) if prompts[i].dtype == torch.int64 else prompts[i].float() for i in idx]
+        es = [embed(prompts[i]) if prompts[i].dtype == torch.int64 else prompts[i] for i in idx]
         width = max(e.shape[0] for e in es)
-        e = torch.zeros(len(es), width, es[0].shape[1])
-        mask = torch.zeros(len(es), width, dtype=torch.long)
+        e = torch.zeros(len(es), width, es[0].shape[1], device=dev, dtype=dtype)
+        mask = torch.zeros(len(es), width, dtype=torch.long, device=dev)
         for r, x in enumerate(es):
             e[r, width - x.shape[0]:] = x
             mask[r, width - x.shape[0]:] = 1
@@ -96,16 +100,44 @@ def distill(model, prompts: list[torch.Tensor], layer_ids: list[int], answer_tok
         seqs = []
         for i, p in enumerate(prompts):
             a = answers[i]
-            e = embed(p) if p.dtype == torch.int64 else p.float()
+            e = embed(p) if p.dtype == torch.int64 else p
             full = torch.cat([e, embed(a)]).unsqueeze(0)
             captured.clear()
             hs = model.model(inputs_embeds=full, output_hidden_states=True).hidden_states
-            ids = torch.cat([p if p.dtype == torch.int64 else torch.zeros(p.shape[0], dtype=torch.long), a])
+            ids = torch.cat([p if p.dtype == torch.int64 else torch.zeros(p.shape[0], dtype=torch.long, device=dev),
+                             a])
             aux = torch.cat([hs[k][0] for k in layer_ids], dim=-1)
-            seqs.append(Sequence(ids, aux.float(), captured[0][0].float(), p.shape[0]))
+            seqs.append(Sequence(ids.cpu(), aux.float().cpu(), captured[0][0].float().cpu(), p.shape[0]))
     finally:
         hook.remove()
     return seqs
+
+
+HEAD_LAYER_TYPES = ("llama", "qwen3")  # decoder layers speculators 0.9's Eagle3DraftModel builds (model_classes)
+
+
+def head_layer_config(verifier_config):
+    """The draft head's one decoder layer config for a verifier's HF config: the verifier's own with
+    ``num_hidden_layers`` 1 when speculators builds that layer type (:data:`HEAD_LAYER_TYPES`), else (GLM-4's
+    ``glm4``, ...) a ``LlamaConfig`` of the verifier's widths (vocabulary, hidden, intermediate, heads, KV heads,
+    head_dim, RMSNorm epsilon, positions, RoPE theta with full rotary): the EAGLE-3 layer is the head's own and
+    reads only the verifier's hidden states and token embeddings (vLLM drafts with its Llama EAGLE-3 model,
+    ``vllm/model_executor/models/llama_eagle3.py``). Returns a new config; the argument is not changed."""
+    if verifier_config.model_type in HEAD_LAYER_TYPES:
+        cfg = copy.deepcopy(verifier_config)
+        cfg.num_hidden_layers = 1
+        return cfg
+    from transformers import LlamaConfig
+
+    c = verifier_config
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_hidden_layers=1, num_attention_heads=c.num_attention_heads,
+                       num_key_value_heads=c.num_key_value_heads,
+                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                       hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
+                       rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))})
 
 
 def _packs(seqs: list[Sequence], pack_tokens: int, rng: random.Random) -> list[list[Sequence]]:
@@ -141,17 +173,18 @@ def batch_of(pack: list[Sequence]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def draft_acceptance(model, seqs: list[Sequence], ttt_steps: int) -> torch.Tensor:
-    """Accepted draft lengths ``(S,)`` int64 over every answer position of ``seqs`` that has ``ttt_steps``
-    verifier tokens after it (:func:`core.spec.acceptance.accepted_lengths`)."""
+def draft_acceptance(model, seqs: list[Sequence], ttt_steps: int, device: str = "cpu") -> torch.Tensor:
+    """Accepted draft lengths ``(S,)`` int64 (CPU) over every answer position of ``seqs`` that has ``ttt_steps``
+    verifier tokens after it (:func:`core.spec.acceptance.accepted_lengths`); the head runs on ``device``."""
     out = []
     for s in seqs:
-        b = batch_of([s])
+        b = {k: v.to(device) for k, v in batch_of([s]).items()}
         drafts = model(hidden_states=b["hidden_states"], input_ids=b["input_ids"], document_ids=b["document_ids"],
                        position_ids=b["position_ids"], ttt_steps=ttt_steps)
         steps = torch.stack([d[0] for d in drafts])  # (ttt_steps, T - 1) draft-vocab ids
         if model.d2t is not None:
             steps = steps + model.d2t[steps]
+        steps = steps.cpu()
         truth = s.ids[2:]  # the draft at aligned position j, step k, proposes token j + 2 + k
         lo, hi = s.prompt_len - 1, s.ids.numel() - 1 - ttt_steps  # starts after the prompt with k targets left
         if hi > lo:
@@ -162,7 +195,9 @@ def draft_acceptance(model, seqs: list[Sequence], ttt_steps: int) -> torch.Tenso
 def run(spec: dict) -> dict:
     """Do the five steps for ``spec`` (keys: ``verifier``, ``prompts``, ``out``, ``layer_ids`` (None: vLLM's
     default 2, L/2, L-3), ``answer_tokens``, ``draft_vocab``, ``steps``, ``lr``, ``ttt_steps``, ``pack_tokens``,
-    ``batch``, ``seed``, ``threads``). Returns the record written. Raises ValueError for a prompt file without a
+    ``batch``, ``seed``, ``threads``; optional ``device``, default ``cpu``, and ``verifier_dtype``, default
+    ``float32``: where the verifier and the head run and the verifier's dtype, e.g. ``cuda`` and ``bfloat16`` for
+    GLM-4-9B; the head trains in float32). Returns the record written. Raises ValueError for a prompt file without a
     ``train`` set and a ``heldout`` set."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -180,7 +215,9 @@ def run(spec: dict) -> dict:
     if not layer_ids or not all(0 < k < n_layers for k in layer_ids):
         raise ValueError(f"layer_ids {layer_ids}: layers k with 0 < k < {n_layers} (the residual stream after "
                          f"layer k; HF's state after the last layer is post-norm, vLLM's is not)")
-    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    device = spec.get("device", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        verifier, dtype=getattr(torch, spec.get("verifier_dtype", "float32"))).to(device).eval()
     eos = GenerationConfig.from_pretrained(verifier).eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     data = {}
@@ -196,12 +233,11 @@ def run(spec: dict) -> dict:
             freq[t] = freq.get(t, 0) + 1
     draft_vocab = min(int(spec["draft_vocab"]), config.vocab_size)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, config.vocab_size)
-    head_cfg = AutoConfig.from_pretrained(verifier)
-    head_cfg.num_hidden_layers = 1
+    head_cfg = head_layer_config(config)
     ttt = int(spec["ttt_steps"])
     head = Eagle3DraftModel.from_training_args(
         head_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab, norm_before_residual=True, ttt_steps=ttt,
-        verifier_name_or_path=verifier, target_layer_ids=layer_ids, draft_attn_impl="sdpa")
+        verifier_name_or_path=verifier, target_layer_ids=layer_ids, draft_attn_impl="sdpa").to(device)
     from speculators.losses import resolve_loss_config
 
     loss_config = resolve_loss_config("kl_div", "eager")
@@ -215,7 +251,7 @@ def run(spec: dict) -> dict:
     for step in range(1, steps + 1):
         if not packs:
             packs = _packs(train, int(spec["pack_tokens"]), rng)
-        b = batch_of(packs.pop())
+        b = {k: v.to(device) for k, v in batch_of(packs.pop()).items()}
         _, loss, metrics = head(**b, ttt_steps=ttt, loss_config=loss_config)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -230,7 +266,7 @@ def run(spec: dict) -> dict:
     head.eval()
     heldout = {}
     for name in heldout_sets + train_sets:
-        heldout[name] = acceptance_summary(draft_acceptance(head, data[name], ttt), ttt)
+        heldout[name] = acceptance_summary(draft_acceptance(head, data[name], ttt, device), ttt)
         log(f"acceptance: {name}: mean acceptance length {heldout[name]['mean_acceptance_length']:.3f} "
             f"over {heldout[name]['drafts']} drafts")
     out = Path(spec["out"])

@@ -31,6 +31,34 @@ SEARCH_CHAT_PROMPTS = [
     "What is the capital of Italy?", "Describe a forest in one sentence.",
 ]
 
+# More text prompts for the speculator's chat training set (templates x topics; none is a held-out TEXT_PROMPTS one)
+CHAT_TEMPLATES = [
+    "What is {}?", "Write a short poem about {}.", "Explain {} in one sentence.", "Give me two facts about {}.",
+    "Describe {} in a few words.", "Why do people like {}?", "Write one sentence about {}.",
+    "List three things related to {}.", "Tell me a fun fact about {}.", "How would you explain {} to a child?",
+]
+CHAT_TOPICS = [
+    "the moon", "volcanoes", "chess", "bicycles", "honey", "the ocean", "rain", "pizza", "libraries", "winter",
+    "elephants", "coffee", "the internet", "gardening", "music", "bridges", "clouds", "football", "bread",
+    "the sun", "rivers", "owls", "mathematics", "painting", "deserts", "snow", "robots", "tea", "mountains",
+    "friendship", "electricity", "the heart", "apples", "maps", "airplanes", "penguins", "history", "soap",
+    "rainbows", "sleep", "lions", "glass", "the alphabet", "cheese", "wind", "computers", "bees", "summer",
+    "dinosaurs", "the brain",
+]
+
+
+def train_chat_prompts(n: int) -> list[str]:
+    """The first ``n`` text prompts of the speculator's chat training set: :data:`SEARCH_CHAT_PROMPTS`, then
+    :data:`CHAT_TEMPLATES` x :data:`CHAT_TOPICS` (500) in a fixed shuffled order, each once, without any held-out
+    :data:`~grafting.train.evaluate.TEXT_PROMPTS`. Raises ValueError when ``n`` exceeds the 507 there are."""
+    made = [t.format(topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
+    random.Random(0).shuffle(made)
+    held = set(TEXT_PROMPTS)
+    pool = [p for p in dict.fromkeys(SEARCH_CHAT_PROMPTS + made) if p not in held]
+    if n > len(pool):
+        raise ValueError(f"{n} chat training prompts: there are {len(pool)}")
+    return pool[:n]
+
 
 def _scene_messages(rng: random.Random, split: str) -> list[dict]:
     scene = sample_scene(rng, split)
@@ -46,13 +74,16 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
                     traffic_skipped: int = 0) -> dict[str, PromptSet]:
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
-    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes.
+    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes
+    (with ``fit="train"`` the held-out ones from a stream of their own: the same whatever ``scene_search``).
+    ``chat_search`` text prompts come from :func:`train_chat_prompts` (the first 8 are :data:`SEARCH_CHAT_PROMPTS`).
     ``traffic``: captured text conversations (:func:`grafting.traffic.read_traffic`) added to the fit set as
     served (chat template, token ids); ``traffic_skipped``, the image conversations the reader skipped, is named in
-    the set's description. Raises ValueError for another ``fit`` or a captured conversation the processor refuses
-    (PromptError), OSError when a checkpoint is missing (run ``chimera prepare``)."""
+    the set's description. Raises ValueError for another ``fit``, too many chat prompts or a captured conversation
+    the processor refuses (PromptError), OSError when a checkpoint is missing (run ``chimera prepare``)."""
     if fit not in ("search", "train"):
         raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
+    chat_texts = train_chat_prompts(chat_search)
     from ..engine import VLMEngine
 
     engine = VLMEngine.from_config(config, model_dir)
@@ -66,17 +97,19 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
 
         rng = random.Random(seed)
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
-        search += [ids(t) for t in SEARCH_CHAT_PROMPTS[:chat_search]]
-        described = (f"{scene_search} train-split scene questions (image embeddings) and "
-                     f"{min(chat_search, len(SEARCH_CHAT_PROMPTS))} text prompts")
+        # the speculator's held-out scenes do not depend on how many training scenes were drawn (heads trained on
+        # different kinds are scored on the same scenes); chimera quantize's continue the one stream, as before
+        held_rng = random.Random(f"{seed}-heldout") if fit == "train" else rng
+        search += [ids(t) for t in chat_texts]
+        described = f"{scene_search} train-split scene questions (image embeddings) and {len(chat_texts)} text prompts"
         if traffic is not None:
             search += [engine.prepare(m).input_ids[0].long().cpu() for m in traffic]
             described += (f", {len(traffic)} captured text conversations ({traffic_skipped} captured with images "
                           f"skipped: an image reference cannot be re-made into embeddings)")
         return {
             fit: PromptSet(fit, described, search),
-            "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as "
-                                          f"served)", [embeds(_scene_messages(rng, "test")) for _ in range(scene_heldout)]),
+            "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as served)",
+                               [embeds(_scene_messages(held_rng, "test")) for _ in range(scene_heldout)]),
             "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",
                               [ids(t) for t in TEXT_PROMPTS]),
         }
