@@ -98,24 +98,35 @@ def test_record_checks(tmp_path):
         verify_head(head, tmp_path / "empty")
 
 
-def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path):
+def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path, model_dir):
     """``vllm.speculative``: n-gram passes unchanged; an eagle3 head is resolved against the model directory and
-    checked against a speculator.json naming the LM's weights, then, for the VLM (image prompts as prompt_embeds, which
-    vLLM 0.32's EAGLE proposer dies on), refused; the speech LM's config refuses any speculation."""
+    checked against a speculator.json naming the LM's weights; for the VLM (image prompts as vLLM mixed prompts) it
+    is refused when the LLM's embedding table has no row for vLLM's marker id (SmolLM2's tokenizer with as many
+    rows as ids, the cpu profile's LLM) and served when it has (64 rows more); the speech LM's config refuses any
+    speculation."""
+    from transformers import LlamaConfig
+
     from audio.config import TTSConfig
     from core.config import DraftSpeculation, NgramSpeculation, VLLMOptions
+    from core.smollm2 import smollm2_tokenizer
     from grafting.config import VLMConfig
     from services.engines.vllm_server import served_speculation
 
     ref, head = _head(tmp_path)
+    tok = smollm2_tokenizer(model_dir)
+    tok.save_pretrained(ref)
+    LlamaConfig(vocab_size=len(tok)).save_pretrained(ref)
     ngram = NgramSpeculation(method="ngram", num_speculative_tokens=4)
     assert served_speculation(VLMConfig(backend="vllm", llm="llm", vllm=VLLMOptions(speculative=ngram)),
                               tmp_path) == ngram
     assert served_speculation(VLMConfig(backend="vllm", llm="llm"), tmp_path) is None
     eagle = VLLMOptions(speculative=DraftSpeculation(method="eagle3", model="head", num_speculative_tokens=3))
     cfg = VLMConfig(backend="vllm", llm="llm", vllm=eagle)
-    with pytest.raises(SpeculatorError, match="provided via prompt_embeds"):  # a head made for this LLM
+    with pytest.raises(SpeculatorError, match="the id 49152 of its own marker token '<prompt_embeds>'.* past the "
+                                              "49152 rows"):  # a head made for this LLM
         served_speculation(cfg, tmp_path)
+    LlamaConfig(vocab_size=len(tok) + 64).save_pretrained(ref)
+    assert served_speculation(cfg, tmp_path).model == str(head)
     (head / "speculator.json").unlink()
     with pytest.raises(SpeculatorError, match="speculator.json is missing"):  # checked first
         served_speculation(cfg, tmp_path)

@@ -17,7 +17,7 @@ from audio import vllm_ext
 from audio.config import TTSConfig
 from core.config import Speculation, VLLMOptions, in_project, resolve_path
 from core.constants import SERVED_NAME
-from core.vllm_client import VLLMClient
+from core.vllm_client import MIXED_CHAT_TEMPLATE, VLLM_EMBEDS_MARKER, VLLMClient
 from grafting.config import VLMConfig
 
 from .process import ServerProcess, ServerSpec
@@ -25,10 +25,12 @@ from .process import ServerProcess, ServerSpec
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
-EAGLE_EMBEDS_REFUSAL = (
-    "an EAGLE-3 head is not served for the VLM with vLLM 0.32: its image prompts are prompt_embeds, and vLLM's "
-    "EAGLE proposer fails on them (gpu_input_batch.get_token_id: 'provided via prompt_embeds, and its ID is "
-    "unknown'), killing the engine; use method ngram or none")
+EAGLE_MARKER_REFUSAL = (
+    "an EAGLE-3 head is not served for the VLM of {llm}: vLLM 0.32 gives the image positions of its mixed prompts "
+    "the id {marker} of its own marker token {text!r}, and its EAGLE proposer embeds that id unmasked, past the "
+    "{rows} rows of the LLM's embedding table (IndexError in the draft's embed_input_ids), which kills the engine; "
+    "an LLM whose table has rows beyond its tokenizer's ids (most released checkpoints pad it) is served; use "
+    "method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
 
 
@@ -50,9 +52,13 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
     sampling field); ``--enable-prompt-embeds`` for prompts with images; structured outputs emit compact JSON
     (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
     newlines until ``max_tokens``, and an answer cut there does not parse. ``vllm.speculative`` becomes
-    ``--speculative-config`` (its fields as JSON)."""
+    ``--speculative-config`` (its fields as JSON). The chat template is
+    :data:`core.vllm_client.MIXED_CHAT_TEMPLATE` with content parts as OpenAI's list (``--chat-template-content-format
+    openai``): the VLM's image prompts come to ``/v1/chat/completions`` as vLLM's mixed prompt, already rendered
+    by the VLM's processor (:func:`core.vllm_client.request_body`); nothing else uses that endpoint of this server."""
     args = ["--enable-prompt-embeds", "--max-logprobs", "20",
-            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+            "--chat-template", MIXED_CHAT_TEMPLATE, "--chat-template-content-format", "openai"]
     return _spec(config.vllm, config.dtype, llm_path, config.max_prompt_tokens + config.max_new_tokens,
                  config.max_batch_size, args, {})
 
@@ -110,18 +116,36 @@ def served_checkpoint(config: VLMConfig | TTSConfig, model_dir: str | Path | Non
     return path
 
 
+def embeds_marker(llm_path: str | Path) -> tuple[int, int]:
+    """``(marker id, embedding rows)`` of the LLM at ``llm_path``: the id vLLM 0.32 gives its ``prompt_embeds``
+    marker token (``vllm/renderers/hf.py:106`` ``_ensure_prompt_embeds_placeholder_token`` adds
+    :data:`core.vllm_client.VLLM_EMBEDS_MARKER` to the tokenizer as a special token: the next id, ``len``, unless
+    the tokenizer has it) and the rows of the LLM's input-embedding table (its text config's ``vocab_size``). A
+    mixed prompt holds the marker id at its embeddings positions (``vllm/renderers/hf.py:191``
+    ``_build_mixed_prompt_embeds``); the target model never embeds it (``vllm/v1/worker/gpu_model_runner.py:3336``
+    zeroes those ids), but an EAGLE proposer does (``gpu_model_runner.py:4950-4988`` hands it the scheduled ids
+    as they are; ``vllm/model_executor/models/llama_eagle3.py:259`` ``embed_input_ids``), so it must be a row."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(llm_path))
+    vocab = tok.get_vocab()
+    marker = vocab[VLLM_EMBEDS_MARKER] if VLLM_EMBEDS_MARKER in vocab else len(tok)
+    rows = AutoConfig.from_pretrained(str(llm_path)).get_text_config().vocab_size
+    return marker, int(rows)
+
+
 def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> Speculation | None:
     """The ``vllm.speculative`` block vLLM gets for ``config``: unchanged for none, n-gram or a ``draft_model`` /
     ``eagle`` draft; for ``eagle3`` the head's folder resolved against ``model_dir`` (like the engine's
     checkpoints) once :func:`core.spec.record.verify_head` accepts it for the LM (its ``speculator.json``, written
     by ``chimera speculator train``, names the LM's own weights: a head trained for other weights would stay
     lossless but propose garbage). The speech LM's config refuses any speculation (:class:`audio.config.TTSConfig`:
-    vLLM refuses its frame-constraint logits processor then). An ``eagle3`` head for the VLM is, once checked, refused for now: the VLM sends image prompts
-    as ``prompt_embeds`` and vLLM 0.32's EAGLE proposer then reads a prompt token id that does not exist
-    (``vllm/v1/spec_decode/llm_base_proposer.py:1065`` ``prepare_next_token_ids_padded`` ->
-    ``vllm/v1/worker/gpu_input_batch.py:78`` ``ValueError: ... provided via prompt_embeds, and its ID is
-    unknown``), which kills the engine (measured, tests/test_spec_vllm.py). Raises SpeculatorError (a ValueError)
-    naming the failed check."""
+    vLLM refuses its frame-constraint logits processor then). For the VLM, whose image prompts vLLM gets as mixed
+    prompts (token ids at the text, embeddings at the image: :func:`core.vllm_client.request_body`; an
+    embeddings-only prompt would kill the engine, ``vllm/v1/worker/gpu_input_batch.py:78``), an ``eagle3`` head is
+    also refused when vLLM's marker id is not a row of the LLM's embedding table (:func:`embeds_marker`: the
+    proposer would index past it, killing the engine; SmolLM2-135M, the cpu profile's LLM, has exactly as many
+    rows as tokenizer ids). Raises SpeculatorError (a ValueError) naming the failed check."""
     s = config.vllm.speculative
     if s is None or s.method != "eagle3":
         return s
@@ -131,20 +155,29 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     head = resolve_path(model_dir, s.model)
     verify_head(head, reference)
     if isinstance(config, VLMConfig):
-        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
+        try:
+            marker, rows = embeds_marker(reference)
+        except (OSError, ValueError) as exc:
+            raise SpeculatorError(f"the LLM's tokenizer or config in {reference} cannot be read: {exc}") from None
+        if marker >= rows:
+            raise SpeculatorError(EAGLE_MARKER_REFUSAL.format(llm=reference, marker=marker, text=VLLM_EMBEDS_MARKER,
+                                                              rows=rows))
     return s.model_copy(update={"model": head})
 
 
 def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
     """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
     ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
-    ``client.close()`` stops it). Raises FileNotFoundError when the engine interpreter is missing (run
+    ``client.close()`` stops it; a VLM's client holds the served LLM's tokenizer, for mixed prompts). Raises FileNotFoundError when the engine interpreter is missing (run
     ``make install``); QuantizedCheckpointError for a ``vllm.quantized`` checkpoint that must not be served
     (:func:`served_checkpoint`); SpeculatorError for an ``eagle3`` head that must not be served
     (:func:`served_speculation`)."""
     path = served_checkpoint(config, model_dir)
     config = config.model_copy(update={"vllm": config.vllm.model_copy(
         update={"speculative": served_speculation(config, model_dir)})})
-    spec = speech_server_spec(config, path) if isinstance(config, TTSConfig) else server_spec(config, path)
-    server = ServerProcess(spec)
-    return VLLMClient(server.start())
+    if isinstance(config, TTSConfig):
+        return VLLMClient(ServerProcess(speech_server_spec(config, path)).start())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)  # the server's: mixed prompts are rendered with it
+    return VLLMClient(ServerProcess(server_spec(config, path)).start(), tokenizer=tokenizer)
