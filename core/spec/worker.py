@@ -8,9 +8,9 @@ Steps, for a Llama-architecture verifier LM in ``verifier`` (the weights the ser
    left-padded batches; one forward over prompt + answer then keeps, per position, the verifier's hidden states
    after layers ``layer_ids`` (vLLM's EAGLE-3 auxiliary states: the residual stream after layer k, what
    ``vllm/model_executor/models/llama.py`` hands the drafter) and its pre-norm last hidden state (the target's
-   logits are ``lm_head(norm(.))`` of it). An embeddings prompt's positions get token id 0 (vLLM 0.32 has no
-   token ids there and its EAGLE proposer fails on a ``prompt_embeds`` request:
-   :func:`services.engines.vllm_server.served_speculation`).
+   logits are ``lm_head(norm(.))`` of it). An embeddings prompt's positions get token id 0 (the prompt file holds
+   no ids for them; vLLM serves the VLM's image prompts as mixed prompts whose image positions hold its own marker
+   id, and refuses a head where that id has no embedding row: :func:`services.engines.vllm_server.served_speculation`).
 2. The draft vocabulary: the ``draft_vocab`` most frequent tokens of the training answers (speculators'
    ``build_vocab_mappings_from_distribution``; the rest of the verifier's vocabulary is never proposed).
 3. Training: speculators' ``Eagle3DraftModel`` (one Llama decoder layer over [token embedding, fc(aux states)],
