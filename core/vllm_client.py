@@ -38,6 +38,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -56,6 +57,7 @@ VLLM_EMBEDS_MARKER = "<prompt_embeds>"
 # openai``): the content parts of the one message, concatenated as they are. vLLM renders a ``prompt_embeds`` part
 # as its marker text (vllm/renderers/chat_utils.py:2021), so the rendered prompt is our text with one marker per
 # embeddings part, and nothing of a template of vLLM's own is added.
+_TOKENIZER_LOCK = threading.Lock()  # one tokenizer call at a time (:func:`_as_text`)
 MIXED_CHAT_TEMPLATE = ("{%- for message in messages -%}{%- for part in message['content'] -%}{{- part['text'] -}}"
                        "{%- endfor -%}{%- endfor -%}")
 
@@ -74,10 +76,13 @@ def _as_text(ids: list[int], tokenizer: Any) -> str | None:
     """The text that ``tokenizer`` (the served LLM's) turns back into exactly ``ids`` (no special tokens added),
     or None when there is none that vLLM accepts: the decoded text does not re-encode to ``ids`` (e.g. plain-text
     pieces of a control token, :meth:`grafting.processor.GraftProcessor.template_ids`), or holds vLLM's
-    :data:`VLLM_EMBEDS_MARKER`."""
-    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if VLLM_EMBEDS_MARKER in text or tokenizer.encode(text, add_special_tokens=False) != list(ids):
-        return None
+    :data:`VLLM_EMBEDS_MARKER`. Calls are serialized (:data:`_TOKENIZER_LOCK`): requests are encoded in worker
+    threads, and a fast tokenizer's calls can set its truncation and padding state, which concurrent calls refuse
+    (tokenizers' "Already borrowed")."""
+    with _TOKENIZER_LOCK:
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if VLLM_EMBEDS_MARKER in text or tokenizer.encode(text, add_special_tokens=False) != list(ids):
+            return None
     return text
 
 
