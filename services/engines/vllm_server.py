@@ -168,10 +168,10 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
 def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
     """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
     ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
-    ``client.close()`` stops it; a VLM's client holds the served LLM's tokenizer, for mixed prompts). Raises FileNotFoundError when the engine interpreter is missing (run
-    ``make install``); QuantizedCheckpointError for a ``vllm.quantized`` checkpoint that must not be served
-    (:func:`served_checkpoint`); SpeculatorError for an ``eagle3`` head that must not be served
-    (:func:`served_speculation`)."""
+    ``client.close()`` stops it; a VLM's client holds the served LLM's tokenizer, for mixed prompts). Raises
+    FileNotFoundError when the engine interpreter is missing (run ``make install``); QuantizedCheckpointError for
+    a ``vllm.quantized`` checkpoint that must not be served (:func:`served_checkpoint`); SpeculatorError for an
+    ``eagle3`` head that must not be served (:func:`served_speculation`)."""
     path = served_checkpoint(config, model_dir)
     config = config.model_copy(update={"vllm": config.vllm.model_copy(
         update={"speculative": served_speculation(config, model_dir)})})
