@@ -48,11 +48,9 @@ from .constants import SERVED_NAME
 from .llm_client import (CompletionChunk, CompletionRequest, EngineError, EngineRequestError, EngineUnavailableError,
                          TokenLogprob)
 from .validate import SEED_LIMIT
+from .vllm_marker import VLLM_EMBEDS_MARKER
 
 TOKEN_ID_PREFIX = "token_id:"
-# vLLM's own marker of a ``prompt_embeds`` content part in a rendered chat prompt (vllm/renderers/chat_utils.py:106
-# ``PROMPT_EMBEDS_PLACEHOLDER_TOKEN``): a text part holding it is refused, so such text is sent as embeddings.
-VLLM_EMBEDS_MARKER = "<prompt_embeds>"
 # The chat template of a mixed prompt (the server's ``--chat-template``, with ``--chat-template-content-format
 # openai``): the content parts of the one message, concatenated as they are. vLLM renders a ``prompt_embeds`` part
 # as its marker text (vllm/renderers/chat_utils.py:2021), so the rendered prompt is our text with one marker per

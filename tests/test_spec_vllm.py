@@ -5,12 +5,13 @@ which also equal the in-process client's and leave the engine serving; vLLM's ac
 refusal of ``logit_bias`` while speculative decoding is on; and vLLM 0.32's engine failure on an embeddings-only
 ``prompt_embeds`` request with an EAGLE-3 head (why image prompts are sent mixed).
 
-The model: ``tests/tiny_llama.py`` (a 4-layer random Llama with SmolLM2's tokenizer), its embedding table 64 rows
-past the tokenizer's ids (as released checkpoints pad theirs: vLLM's mixed-prompt marker id must be a row for an
-EAGLE proposer, ``services.engines.vllm_server.embeds_marker``). The head reads layers 1, 2, 3 (the residual
-stream after each) and trains 30 steps (about a minute with the worker's start-up on 2 cores); what is checked is
-losslessness and the plumbing, not the acceptance it reaches. One server with the head and one without are shared
-by the serving tests; the last test kills the first.
+The model: ``tests/tiny_llama.py`` (a 4-layer random Llama with SmolLM2's tokenizer), its embedding table exactly
+the tokenizer's 49152 ids, as SmolLM2-135M's (the cpu profile's LLM): vLLM's mixed-prompt marker id 49152 is no
+row of it, so the worker writes the head with its own table of 49216 rows (``core.spec.worker.pad_head_table``,
+``core.vllm_marker``), which vLLM keeps apart from the target's and the draft embeds every id with. The head
+reads layers 1, 2, 3 (the residual stream after each) and trains 30 steps (about a minute with the worker's
+start-up on 2 cores); what is checked is losslessness and the plumbing, not the acceptance it reaches. One server
+with the head and one without are shared by the serving tests; the last test kills the first.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ ANSWER = 16
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory, model_dir):
-    """A 4-layer Llama saved as fp32 safetensors with SmolLM2's tokenizer, its prompt ids, and an EAGLE-3 head
-    trained for it by the worker."""
+    """A 4-layer Llama saved as fp32 safetensors with SmolLM2's tokenizer and as many embedding rows as its ids,
+    its prompt ids, and an EAGLE-3 head trained for it by the worker."""
     from core.smollm2 import smollm2_tokenizer
 
     root = tmp_path_factory.mktemp("spec")
     tok = smollm2_tokenizer(model_dir)
-    tiny_llama(tok, extra_rows=64).save_pretrained(root / "ref")
+    tiny_llama(tok).save_pretrained(root / "ref")
     tok.save_pretrained(root / "ref")
     prompts = {name: [chat_ids(tok, t) for t in texts] for name, texts in TEXTS.items()}
     sets = {"train": PromptSet("train", "six text prompts", prompts["train"]),
@@ -70,6 +71,9 @@ def test_worker_writes_a_head_in_speculators_format(head):
         a = record["acceptance"][name]
         assert a["drafts"] > 0 and 1.0 <= a["mean_acceptance_length"] <= 1.0 + K
     assert any(line.startswith("wrote ") for line in lines)
+    # no row for vLLM's marker id 49152 in the LLM's table: the head carries its own, with one
+    assert cfg["transformer_layer_config"]["vocab_size"] == record["embed_rows"] == 49216
+    assert any(line.startswith("embedding table: 49216 rows") for line in lines)
 
 
 def _post(base: str, body: dict) -> dict:
@@ -83,26 +87,26 @@ def _post(base: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(head):
-    """``{"spec": client, "ref": client}``: vLLM with the head (checked by :func:`core.spec.record.verify_head`,
-    on the command line :func:`services.engines.vllm_server.server_spec` builds) and without it, each a
+    """``{"spec": client, "ref": client}``: vLLM with the head (accepted for the VLM by
+    :func:`services.engines.vllm_server.served_speculation`: its own table has a row for vLLM's marker id; on the
+    command line :func:`services.engines.vllm_server.server_spec` builds) and without it, each a
     :class:`core.vllm_client.VLLMClient` holding the model's tokenizer (so image prompts go as mixed prompts),
     ready."""
     from transformers import AutoTokenizer
 
     from core.config import DraftSpeculation, VLLMOptions
-    from core.spec.record import verify_head
     from core.vllm_client import VLLMClient
     from grafting.config import VLMConfig
     from services.engines.process import ServerProcess
-    from services.engines.vllm_server import server_spec
+    from services.engines.vllm_server import server_spec, served_speculation
 
     root = head[0]
-    verify_head(root / "head", root / "ref")
     opts = VLLMOptions(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 26, cpu_threads=2,
                        speculative=DraftSpeculation(method="eagle3", model=str(root / "head"),
                                                     num_speculative_tokens=K))
     config = VLMConfig(backend="vllm", llm=str(root / "ref"), max_prompt_tokens=256, max_new_tokens=64,
                        default_max_new_tokens=16, max_batch_size=2, vllm=opts)
+    assert served_speculation(config) == opts.speculative
     plain = config.model_copy(update={"vllm": opts.model_copy(update={"speculative": None})})
     tok = AutoTokenizer.from_pretrained(root / "ref")
     clients = {"spec": VLLMClient(ServerProcess(server_spec(config, config.llm)).start(), tokenizer=tok),
@@ -143,9 +147,9 @@ def test_a_vlm_image_prompt_is_served_with_the_head_as_a_mixed_prompt(head, serv
     image positions; ``prompt_token_ids`` None there; the placeholders banned), greedy: answered by the server
     with the head (as a mixed prompt to ``/v1/chat/completions``, whose prompt ids vLLM returns equal ours at
     every text position: the client checks), the same ids as the server without it and the in-process client;
-    the head drafted for it (vLLM's drafts counter moved); both servers answer a token-id prompt afterwards. An
-    EAGLE-3 head is refused for the cpu profile's own LLM (no embedding row for vLLM's marker id) and accepted
-    for this padded one (:func:`services.engines.vllm_server.embeds_marker`)."""
+    the head drafted for it (vLLM's drafts counter moved); both servers answer a token-id prompt afterwards. The
+    LLM, like the cpu profile's SmolLM2-135M, has no embedding row for vLLM's marker id; the head's own table has
+    (:mod:`core.vllm_marker`)."""
     import asyncio
 
     from PIL import Image, ImageDraw
@@ -156,7 +160,7 @@ def test_a_vlm_image_prompt_is_served_with_the_head_as_a_mixed_prompt(head, serv
     from core.vllm_client import request_body
     from grafting.local_client import TransformersClient
     from grafting.processor import GraftProcessor
-    from services.engines.vllm_server import embeds_marker
+    from core.vllm_marker import embeds_marker, head_embed_rows
 
     root = head[0]
     tok = servers["spec"].tokenizer
@@ -197,7 +201,8 @@ def test_a_vlm_image_prompt_is_served_with_the_head_as_a_mixed_prompt(head, serv
     assert after["drafts"] > before["drafts"], (before, after)
     assert all(len(a) == 4 for a in again.values()) and again["spec"] == again["ref"]
     marker, rows = embeds_marker(root / "ref")
-    assert marker == len(tok) < rows
+    assert marker == len(tok) == rows < head_embed_rows(root / "head")
+    assert "Detected EAGLE model with distinct embed_tokens weights" in servers["spec"].server.log_tail(200_000)
     assert embeds_marker(model_dir / SMOLLM2_DIR) == (len(AutoTokenizer.from_pretrained(model_dir / SMOLLM2_DIR)),
                                                       49152)
 

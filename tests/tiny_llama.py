@@ -11,15 +11,14 @@ from __future__ import annotations
 import torch
 
 
-def tiny_llama(tok, tie_word_embeddings: bool = True, seed: int = 0, extra_rows: int = 0):
-    """A fp32 ``LlamaForCausalLM`` (eval mode) over ``tok``'s vocabulary (``len(tok) + extra_rows`` ids: released
-    checkpoints often pad their embedding table past the tokenizer's ids, which vLLM's mixed prompts need for an
-    EAGLE head, ``services.engines.vllm_server.embeds_marker``), weights drawn with ``torch.manual_seed(seed)``;
-    ``tie_word_embeddings`` False gives it its own ``lm_head`` (a test can then change the output rows of some
-    tokens without changing their input embeddings)."""
+def tiny_llama(tok, tie_word_embeddings: bool = True, seed: int = 0):
+    """A fp32 ``LlamaForCausalLM`` (eval mode) over ``tok``'s vocabulary (``len(tok)`` embedding rows, as
+    SmolLM2-135M has: no row for vLLM's mixed-prompt marker id, ``core.vllm_marker``), weights drawn with
+    ``torch.manual_seed(seed)``; ``tie_word_embeddings`` False gives it its own ``lm_head`` (a test can then change
+    the output rows of some tokens without changing their input embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=len(tok) + extra_rows, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                       tie_word_embeddings=tie_word_embeddings, initializer_range=0.2, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id)

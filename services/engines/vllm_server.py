@@ -17,7 +17,8 @@ from audio import vllm_ext
 from audio.config import TTSConfig
 from core.config import Speculation, VLLMOptions, in_project, resolve_path
 from core.constants import SERVED_NAME
-from core.vllm_client import MIXED_CHAT_TEMPLATE, VLLM_EMBEDS_MARKER, VLLMClient
+from core.vllm_client import MIXED_CHAT_TEMPLATE, VLLMClient
+from core.vllm_marker import VLLM_EMBEDS_MARKER, embeds_marker, head_embed_rows
 from grafting.config import VLMConfig
 
 from .process import ServerProcess, ServerSpec
@@ -26,10 +27,11 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
 EAGLE_MARKER_REFUSAL = (
-    "an EAGLE-3 head is not served for the VLM of {llm}: vLLM 0.32 gives the image positions of its mixed prompts "
-    "the id {marker} of its own marker token {text!r}, and its EAGLE proposer embeds that id unmasked, past the "
-    "{rows} rows of the LLM's embedding table (IndexError in the draft's embed_input_ids), which kills the engine; "
-    "an LLM whose table has rows beyond its tokenizer's ids (most released checkpoints pad it) is served; use "
+    "an EAGLE-3 head is not served for the VLM of {llm} with {head}: vLLM 0.32 gives the image positions of its "
+    "mixed prompts the id {marker} of its own marker token {text!r}, and its EAGLE proposer embeds that id unmasked "
+    "with the head's own embedding table, or the LLM's when the head has none or an equal one; the LLM's has {rows} "
+    "rows and the head {own}, so the draft's embed_input_ids would raise IndexError and kill the engine; train the "
+    "head again with `chimera speculator train` (it writes a table of its own with a row for that id), or use "
     "method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
 
@@ -116,24 +118,6 @@ def served_checkpoint(config: VLMConfig | TTSConfig, model_dir: str | Path | Non
     return path
 
 
-def embeds_marker(llm_path: str | Path) -> tuple[int, int]:
-    """``(marker id, embedding rows)`` of the LLM at ``llm_path``: the id vLLM 0.32 gives its ``prompt_embeds``
-    marker token (``vllm/renderers/hf.py:106`` ``_ensure_prompt_embeds_placeholder_token`` adds
-    :data:`core.vllm_client.VLLM_EMBEDS_MARKER` to the tokenizer as a special token: the next id, ``len``, unless
-    the tokenizer has it) and the rows of the LLM's input-embedding table (its text config's ``vocab_size``). A
-    mixed prompt holds the marker id at its embeddings positions (``vllm/renderers/hf.py:191``
-    ``_build_mixed_prompt_embeds``); the target model never embeds it (``vllm/v1/worker/gpu_model_runner.py:3336``
-    zeroes those ids), but an EAGLE proposer does (``gpu_model_runner.py:4950-4988`` hands it the scheduled ids
-    as they are; ``vllm/model_executor/models/llama_eagle3.py:259`` ``embed_input_ids``), so it must be a row."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(llm_path))
-    vocab = tok.get_vocab()
-    marker = vocab[VLLM_EMBEDS_MARKER] if VLLM_EMBEDS_MARKER in vocab else len(tok)
-    rows = AutoConfig.from_pretrained(str(llm_path)).get_text_config().vocab_size
-    return marker, int(rows)
-
-
 def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> Speculation | None:
     """The ``vllm.speculative`` block vLLM gets for ``config``: unchanged for none, n-gram or a ``draft_model`` /
     ``eagle`` draft; for ``eagle3`` the head's folder resolved against ``model_dir`` (like the engine's
@@ -143,9 +127,12 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     vLLM refuses its frame-constraint logits processor then). For the VLM, whose image prompts vLLM gets as mixed
     prompts (token ids at the text, embeddings at the image: :func:`core.vllm_client.request_body`; an
     embeddings-only prompt would kill the engine, ``vllm/v1/worker/gpu_input_batch.py:78``), an ``eagle3`` head is
-    also refused when vLLM's marker id is not a row of the LLM's embedding table (:func:`embeds_marker`: the
-    proposer would index past it, killing the engine; SmolLM2-135M, the cpu profile's LLM, has exactly as many
-    rows as tokenizer ids). Raises SpeculatorError (a ValueError) naming the failed check."""
+    also refused when vLLM's marker id is not a row of the LLM's embedding table
+    (:func:`core.vllm_marker.embeds_marker`; SmolLM2-135M, the cpu profile's LLM, has exactly as many rows as
+    tokenizer ids) and the head carries no table of its own that has it (:func:`core.vllm_marker.head_embed_rows`):
+    the proposer would index past the table, killing the engine. ``chimera speculator train`` writes such a table
+    for such an LLM (:func:`core.spec.worker.pad_head_table`). Raises SpeculatorError (a ValueError) naming the
+    failed check."""
     s = config.vllm.speculative
     if s is None or s.method != "eagle3":
         return s
@@ -159,9 +146,11 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
             marker, rows = embeds_marker(reference)
         except (OSError, ValueError) as exc:
             raise SpeculatorError(f"the LLM's tokenizer or config in {reference} cannot be read: {exc}") from None
-        if marker >= rows:
-            raise SpeculatorError(EAGLE_MARKER_REFUSAL.format(llm=reference, marker=marker, text=VLLM_EMBEDS_MARKER,
-                                                              rows=rows))
+        own = head_embed_rows(head)  # verify_head has checked it against the head's config
+        if marker >= rows and (own is None or own <= marker):
+            raise SpeculatorError(EAGLE_MARKER_REFUSAL.format(
+                llm=reference, head=head, marker=marker, text=VLLM_EMBEDS_MARKER, rows=rows,
+                own="none of its own" if own is None else f"{own}"))
     return s.model_copy(update={"model": head})
 
 
