@@ -11,7 +11,7 @@ The target model never embeds it (``vllm/v1/worker/gpu_model_runner.py:3336`` ze
 proposer does (``gpu_model_runner.py:4950-4988`` hands it the scheduled ids as they are;
 ``vllm/model_executor/models/llama_eagle3.py:259`` ``embed_input_ids``), so the marker id must be a row of the table
 the draft embeds with: the target's, which vLLM shares with the draft when the head has no ``embed_tokens`` of its
-own or one equal to the target's (``vllm/v1/spec_decode/llm_base_proposer.py:1416-1505``
+own or one equal to the target's (``vllm/v1/spec_decode/llm_base_proposer.py:1416-1506``
 ``_maybe_share_embeddings``), or else the head's own, of ``transformer_layer_config.vocab_size`` rows
 (``llama_eagle3.py:192``).
 """
@@ -73,7 +73,7 @@ def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
 def head_embed_rows(head_dir: str | Path) -> int | None:
     """Rows of the EAGLE-3 head's own input-embedding table (:data:`EMBED_KEY` in its ``*.safetensors``, shapes
     read from the headers), or None when the head carries none (vLLM then embeds with the target's). A head whose
-    table differs in shape from the target's is never shared (``llm_base_proposer.py:1446`` ``torch.equal``), so
+    table differs in shape from the target's is never shared (``llm_base_proposer.py:1450`` ``torch.equal``), so
     vLLM embeds the draft's ids with it. Raises ValueError when the table's rows differ from the head config's
     ``transformer_layer_config.vocab_size`` (vLLM builds the table from that and could not load it)."""
     head_dir = Path(head_dir)

@@ -208,7 +208,7 @@ def pad_head_table(out: str | Path, marker: int, rows: int) -> int:
     the row of :data:`IMAGE_POSITION_ID` (what the head saw at image positions in training, :func:`distill`).
     ``transformer_layer_config.vocab_size`` in ``config.json`` becomes the new count (vLLM builds the draft's table
     from it, ``vllm/model_executor/models/llama_eagle3.py:192``). A table of another shape than the target's is
-    never shared by vLLM (``vllm/v1/spec_decode/llm_base_proposer.py:1446``), so the draft embeds with this one.
+    never shared by vLLM (``vllm/v1/spec_decode/llm_base_proposer.py:1450``), so the draft embeds with this one.
     Only the input table is widened: the draft proposes through ``d2t`` into the verifier's ids (a draft vocabulary
     smaller than ``rows``, :func:`run`), and vLLM fills the columns of the draft's logits no draft id maps to,
     padding included, with -inf (``llama_eagle3.py:385-395`` ``compute_logits``), so no proposal is past the
