@@ -91,6 +91,10 @@ class CompletionRequest:
     ``structured_outputs``: vLLM's ``StructuredOutputsParams`` as a dict (``{"json": schema}`` or ``{"json_object": True}``; only where :attr:`LLMClient.supports_structured_outputs`).
     ``extra_args``: per-request arguments of a custom logits processor (vLLM's ``vllm_xargs``; the in-process
     client of the same family reads the same keys). ``skip_special_tokens``: leave special tokens out of the text.
+    ``prompt_token_ids``: for an embeddings prompt, what each of its ``T`` rows is: the token id whose own
+    input-embedding row it is, or None where it is something else (a projected image feature); None (the
+    default) when unknown. A client may send the rows with an id as that id (vLLM's mixed prompt:
+    :func:`core.vllm_client.request_body`), which is the same input; the in-process client uses the rows.
     """
 
     prompt: Any
@@ -107,6 +111,7 @@ class CompletionRequest:
     structured_outputs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
     skip_special_tokens: bool = True
+    prompt_token_ids: list[int | None] | None = None
 
     @property
     def prompt_is_ids(self) -> bool:

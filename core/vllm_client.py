@@ -1,12 +1,19 @@
-"""The typed HTTP client of a supervised vLLM OpenAI server (``/v1/completions`` with vLLM's extensions).
+"""The typed HTTP client of a supervised vLLM OpenAI server (``/v1/completions`` with vLLM's extensions, and
+``/v1/chat/completions`` for mixed prompts).
 
 :class:`VLLMClient` implements :class:`core.llm_client.LLMClient` over a :class:`Server` (the service's
 ``services.engines.process.ServerProcess``): the VLM and speech deployments start the server and hand the engine this
-client. The body of ``/v1/completions`` is built here from a :class:`~core.llm_client.CompletionRequest`
-(:func:`request_body`, with :func:`embeds_payload` for an embedding prompt); the stream is parsed into
-:class:`~core.llm_client.CompletionChunk`. vLLM specifics relied on (vllm 0.32
-``CompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
-``--enable-prompt-embeds``), ``return_token_ids`` (each chunk carries its new token ids),
+client. The body is built here from a :class:`~core.llm_client.CompletionRequest` (:func:`request_body`, with
+:func:`embeds_payload` for embeddings); the stream is parsed into :class:`~core.llm_client.CompletionChunk`. A
+token-id prompt goes to ``/v1/completions`` as ``prompt``. An embeddings prompt that says which rows are token
+ids (``CompletionRequest.prompt_token_ids``: the VLM's image prompts) goes, when the client holds the served LLM's
+tokenizer, to ``/v1/chat/completions`` as vLLM's mixed prompt (:func:`mixed_parts`: text parts that vLLM tokenizes
+back into exactly those ids, ``prompt_embeds`` parts for the other rows, under the server's
+:data:`MIXED_CHAT_TEMPLATE`), which an EAGLE proposer can serve; any other embeddings prompt goes to
+``/v1/completions`` as ``prompt_embeds`` alone. vLLM specifics relied on (vllm 0.32 ``CompletionRequest`` /
+``ChatCompletionRequest``): ``prompt_embeds`` (base64 of ``torch.save`` of a ``(T, H)`` tensor; the server needs
+``--enable-prompt-embeds``), ``return_token_ids`` (each chunk carries its new token ids; the first chat chunk the
+prompt's, checked against a mixed prompt's),
 ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:<id>"``, so alternatives are identified by id, not
 by possibly ambiguous text), ``stop_token_ids``, ``bad_words`` (banned tokens, by text), ``structured_outputs``
 (vLLM's ``StructuredOutputsParams``: ``json`` schema or ``json_object``, with options such as
@@ -22,7 +29,7 @@ code ``engine_unavailable``: the engine cannot be reached, dropped the connectio
 died, or answered 503), EngineRequestError (the engine refused the request with a 400: e.g. a JSON schema its
 grammar compiler cannot handle; HTTP 400) and EngineError (HTTP 500 ``engine_error``: any other status from the
 engine, a mid-stream error that is not a 4xx, or a malformed stream: a line that is not JSON, a chunk missing its
-fields, a logprob token that is not an id).
+fields, a logprob token that is not an id, a mixed prompt that vLLM tokenized into other ids than ours).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -40,8 +48,16 @@ from .constants import SERVED_NAME
 from .llm_client import (CompletionChunk, CompletionRequest, EngineError, EngineRequestError, EngineUnavailableError,
                          TokenLogprob)
 from .validate import SEED_LIMIT
+from .vllm_marker import VLLM_EMBEDS_MARKER
 
 TOKEN_ID_PREFIX = "token_id:"
+# The chat template of a mixed prompt (the server's ``--chat-template``, with ``--chat-template-content-format
+# openai``): the content parts of the one message, concatenated as they are. vLLM renders a ``prompt_embeds`` part
+# as its marker text (vllm/renderers/chat_utils.py:2021), so the rendered prompt is our text with one marker per
+# embeddings part, and nothing of a template of vLLM's own is added.
+_TOKENIZER_LOCK = threading.Lock()  # one tokenizer call at a time (:func:`_as_text`)
+MIXED_CHAT_TEMPLATE = ("{%- for message in messages -%}{%- for part in message['content'] -%}{{- part['text'] -}}"
+                       "{%- endfor -%}{%- endfor -%}")
 
 
 def embeds_payload(embeds: Any) -> str:
@@ -54,13 +70,78 @@ def embeds_payload(embeds: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def request_body(req: CompletionRequest, model: str = SERVED_NAME) -> dict[str, Any]:
-    """The streaming ``/v1/completions`` body of ``req`` for the served ``model``: ``prompt`` (ids) or
-    ``prompt_embeds`` (:func:`embeds_payload`), the sampling fields (``seed`` modulo 2**63), ``stop`` /
-    ``stop_token_ids``, ``logprobs`` when asked, ``banned_tokens``' texts as ``bad_words``, ``structured_outputs``,
-    ``extra_args`` as ``vllm_xargs``; always streamed, token ids returned per chunk, logprob tokens as
+def _as_text(ids: list[int], tokenizer: Any) -> str | None:
+    """The text that ``tokenizer`` (the served LLM's) turns back into exactly ``ids`` (no special tokens added),
+    or None when there is none that vLLM accepts: the decoded text does not re-encode to ``ids`` (e.g. plain-text
+    pieces of a control token, :meth:`grafting.processor.GraftProcessor.template_ids`), or holds vLLM's
+    :data:`VLLM_EMBEDS_MARKER`. Calls are serialized (:data:`_TOKENIZER_LOCK`): requests are encoded in worker
+    threads, and a fast tokenizer's calls can set its truncation and padding state, which concurrent calls refuse
+    (tokenizers' "Already borrowed")."""
+    with _TOKENIZER_LOCK:
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if VLLM_EMBEDS_MARKER in text or tokenizer.encode(text, add_special_tokens=False) != list(ids):
+            return None
+    return text
+
+
+def mixed_parts(embeds: Any, token_ids: list[int | None], tokenizer: Any) -> tuple[list[dict[str, Any]],
+                                                                                    list[int | None]]:
+    """A ``(T, H)`` embeddings prompt and its ``token_ids`` (``CompletionRequest.prompt_token_ids``: an id where
+    the row is that id's own embedding, None elsewhere) -> the content parts of vLLM's mixed prompt and the ids
+    vLLM will hold for the positions sent as text.
+
+    Each run of rows with ids becomes a ``text`` part (:func:`_as_text`), the other rows ``prompt_embeds`` parts
+    (:func:`embeds_payload` of those rows); a run with no exact text is sent as its rows (they are those ids' own
+    embeddings: the same input). The second value has, per position, the id vLLM must hold there (None for the
+    rows sent as embeddings): :meth:`VLLMClient.stream_body` checks it against the prompt ids vLLM returns.
+    vLLM tokenizes the whole rendered prompt, its marker a special token, and a fast tokenizer splits at special
+    tokens before anything else, so each text part's ids are those of the part alone. Raises ValueError when the
+    lengths differ."""
+    if len(token_ids) != int(embeds.shape[0]):
+        raise ValueError(f"prompt_token_ids has {len(token_ids)} entries for {int(embeds.shape[0])} rows")
+    runs: list[tuple[int, int, str | None]] = []  # [start, end) and its text (None: rows)
+    i, n = 0, len(token_ids)
+    while i < n:
+        j = i + 1
+        while j < n and (token_ids[j] is None) == (token_ids[i] is None):
+            j += 1
+        text = None if token_ids[i] is None else _as_text(token_ids[i:j], tokenizer)
+        if runs and text is None and runs[-1][2] is None:
+            runs[-1] = (runs[-1][0], j, None)  # adjacent rows: one part
+        else:
+            runs.append((i, j, text))
+        i = j
+    parts: list[dict[str, Any]] = []
+    expected: list[int | None] = []
+    for a, b, text in runs:
+        if text is None:
+            parts.append({"type": "prompt_embeds", "data": embeds_payload(embeds[a:b])})
+            expected += [None] * (b - a)
+        else:
+            parts.append({"type": "text", "text": text})
+            expected += token_ids[a:b]
+    return parts, expected
+
+
+def request_body(req: CompletionRequest, model: str = SERVED_NAME, tokenizer: Any = None) -> dict[str, Any]:
+    """The streaming body of ``req`` for the served ``model``: for ``/v1/completions``, ``prompt`` (ids) or
+    ``prompt_embeds`` (:func:`embeds_payload`); for ``/v1/chat/completions`` (a body with ``messages``), an
+    embeddings prompt with ``prompt_token_ids`` when the served LLM's ``tokenizer`` is given: vLLM's mixed prompt
+    (:func:`mixed_parts`: ids at the text's positions, embeddings only at the others). Then the sampling fields
+    (``seed`` modulo 2**63), ``stop`` / ``stop_token_ids``, ``logprobs`` when asked (chat: ``logprobs`` true and
+    ``top_logprobs``), ``banned_tokens``' texts as ``bad_words``, ``structured_outputs``, ``extra_args`` as
+    ``vllm_xargs``; always streamed, token ids returned per chunk (and the prompt's, chat), logprob tokens as
     ``token_id:<id>``, usage in a last chunk. Raises ValueError for a prompt that is neither ids nor a 2-D
-    tensor.
+    tensor, or ``prompt_token_ids`` of another length.
+
+    Mixed prompt (vLLM 0.32): only the chat endpoint builds one, ``vllm/renderers/hf.py:1290``
+    ``_apply_prompt_embeds_to_prompt`` (the token ids, a full-length embeddings tensor and the
+    ``prompt_is_token_ids`` mask of ``vllm/inputs/llm.py:130`` ``EmbedsPrompt``); ``/v1/completions`` makes an
+    embeddings-only prompt of ``prompt_embeds`` (``vllm/renderers/base.py:514``). The server renders the parts
+    with :data:`MIXED_CHAT_TEMPLATE` (``services/engines/vllm_server.py``). With the ids known at every position,
+    an EAGLE proposer can serve the request (it cannot serve an embeddings-only one: ``docs/operations/
+    speculator.md``). The private ``_expected_prompt_ids`` key (removed before sending) carries
+    :func:`mixed_parts`' second value.
 
     The ban is ``bad_words``, not ``logit_bias``: vLLM 0.32 refuses ``logit_bias`` while speculative decoding is on
     (``vllm/sampling_params.py`` ``_validate_spec_decode``), while its rejection sampler applies ``bad_words`` to
@@ -73,16 +154,26 @@ def request_body(req: CompletionRequest, model: str = SERVED_NAME) -> dict[str, 
                             "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
                             "stop": list(req.stop), "stop_token_ids": list(req.stop_token_ids),
                             "skip_special_tokens": req.skip_special_tokens}
+    chat = False
     if req.prompt_is_ids:
         body["prompt"] = [int(i) for i in req.prompt]
     elif getattr(req.prompt, "ndim", None) == 2:
-        body["prompt_embeds"] = embeds_payload(req.prompt)
+        if req.prompt_token_ids is not None and tokenizer is not None:
+            parts, expected = mixed_parts(req.prompt, req.prompt_token_ids, tokenizer)
+            body["messages"] = [{"role": "user", "content": parts}]
+            body["_expected_prompt_ids"] = expected
+            chat = True
+        else:
+            body["prompt_embeds"] = embeds_payload(req.prompt)
     else:
         raise ValueError("a CompletionRequest prompt is token ids or a (T, H) embedding tensor")
     if req.seed is not None:
         body["seed"] = req.seed % SEED_LIMIT
     if req.logprobs is not None:
-        body["logprobs"] = req.logprobs
+        if chat:
+            body.update(logprobs=True, top_logprobs=req.logprobs)
+        else:
+            body["logprobs"] = req.logprobs
     if req.banned_tokens:
         body["bad_words"] = list(req.banned_tokens.values())
     if req.structured_outputs is not None:
@@ -132,6 +223,29 @@ def parse_logprobs(lp: dict[str, Any] | None, k: int) -> list[TokenLogprob] | No
     return out
 
 
+def parse_chat_logprobs(lp: dict[str, Any] | None, k: int) -> list[TokenLogprob] | None:
+    """vLLM chat ``logprobs`` (``content``: per token ``token`` ``"token_id:<id>"``, ``logprob``,
+    ``top_logprobs`` a list of such) -> :class:`TokenLogprob` per token, ``top`` sorted most likely first and cut
+    to ``k`` (as :func:`parse_logprobs`)."""
+    if lp is None:
+        return None
+    out = []
+    for item in lp.get("content") or []:
+        alts = sorted(((_token_id(t["token"]), t["logprob"]) for t in item.get("top_logprobs") or []),
+                      key=lambda x: -x[1])[:k] if k else []
+        out.append(TokenLogprob(_token_id(item["token"]), float(item["logprob"]), alts))
+    return out
+
+
+def _check_prompt_ids(got: list[int], expected: list[int | None]) -> None:
+    """Raise EngineError unless vLLM's prompt ``got`` has ``expected``'s ids wherever one is given (the positions
+    sent as text) and its length: the guard that vLLM's tokenization of the text parts is ours."""
+    if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
+        first = next((i for i, (g, e) in enumerate(zip(got, expected)) if e is not None and g != e), None)
+        raise EngineError(f"the language-model engine tokenized the mixed prompt differently ({len(got)} ids for "
+                          f"{len(expected)}, first difference at {first})")
+
+
 def _error_message(raw: bytes | str) -> tuple[str, str | None]:
     try:
         err = json.loads(raw)
@@ -152,19 +266,32 @@ def _refusal(status: int, raw: bytes | str) -> Exception:
     return EngineError(f"engine error {status}: {msg}")
 
 
-def _chunks(data: str, k: int) -> list[CompletionChunk]:
-    """One SSE ``data`` payload of vLLM's completions stream -> its chunks (``k``: top logprobs asked). Raises
-    EngineRequestError / EngineUnavailableError / EngineError for an error object (by its ``code``: see
-    :func:`_refusal`), EngineError for a payload that is not such a JSON object."""
+def _chunks(data: str, k: int, expected: list[int | None] | None = None) -> list[CompletionChunk]:
+    """One SSE ``data`` payload of vLLM's completions or chat stream -> its chunks (``k``: top logprobs asked;
+    ``expected``: a mixed prompt's ids, checked against the ``prompt_token_ids`` of the chat stream's first
+    chunk). A chat chunk's text is its ``delta.content``; a chunk with neither text, tokens nor a finish reason
+    (the chat stream's first, the assistant role) gives none. Raises EngineRequestError / EngineUnavailableError
+    / EngineError for an error object (by its ``code``: see :func:`_refusal`), EngineError for a payload that is
+    not such a JSON object or a mixed prompt vLLM tokenized differently."""
     try:
         obj = json.loads(data)
         if "error" in obj:  # after the 200: a request it refuses late (4xx code), or a failure
             err = obj["error"]
             code = err.get("code") if isinstance(err, dict) else None
             raise _refusal(code if isinstance(code, int) and code in (400, 503) else 500, data)
-        out = [CompletionChunk(c.get("text") or "", list(c.get("token_ids") or []),
-                               parse_logprobs(c.get("logprobs"), k), c.get("finish_reason"))
-               for c in obj.get("choices") or []]
+        if expected is not None and obj.get("prompt_token_ids") is not None:
+            _check_prompt_ids(obj["prompt_token_ids"], expected)
+        out = []
+        for c in obj.get("choices") or []:
+            if "delta" in c:
+                chunk = CompletionChunk((c["delta"] or {}).get("content") or "", list(c.get("token_ids") or []),
+                                        parse_chat_logprobs(c.get("logprobs"), k), c.get("finish_reason"))
+                if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+                    continue
+            else:
+                chunk = CompletionChunk(c.get("text") or "", list(c.get("token_ids") or []),
+                                        parse_logprobs(c.get("logprobs"), k), c.get("finish_reason"))
+            out.append(chunk)
         usage = obj.get("usage")
         if usage and not obj.get("choices"):
             out.append(CompletionChunk("", [], None, None, int(usage["completion_tokens"])))
@@ -202,10 +329,17 @@ class VLLMClient:
     event loop it was first used on (a replica has one for its life); a call from another loop (a test's or bench's
     next ``asyncio.run``) gets a new pool; the old one is closed when its loop shuts down (``asyncio.run``'s end:
     :func:`_closes_with_loop`), or at once on its loop if that still runs in another thread. ``aclose()`` closes
-    the pool (the server keeps running)."""
+    the pool (the server keeps running).
 
-    def __init__(self, server: Server, timeout_s: float = 600.0, max_connections: int = 64):
+    ``tokenizer``: the served LLM's (a ``transformers`` tokenizer), for an embeddings prompt that says which rows
+    are token ids (``CompletionRequest.prompt_token_ids``, the VLM's image prompts): such a prompt goes to
+    ``/v1/chat/completions`` as vLLM's mixed prompt (:func:`request_body`; the server started with
+    :data:`MIXED_CHAT_TEMPLATE`). Without one, every embeddings prompt goes to ``/v1/completions`` as
+    embeddings alone."""
+
+    def __init__(self, server: Server, timeout_s: float = 600.0, max_connections: int = 64, tokenizer: Any = None):
         self.server = server
+        self.tokenizer = tokenizer
         self.timeout = httpx.Timeout(timeout_s, connect=5.0, pool=None)
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._pool: httpx.AsyncClient | None = None
@@ -272,12 +406,13 @@ class VLLMClient:
         self.server.stop()
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
-        """Stream the completion of ``request`` (:func:`request_body`; an embedding prompt is encoded in a worker
-        thread). Closing the iterator closes the HTTP stream, which aborts the request in vLLM."""
+        """Stream the completion of ``request`` (:func:`request_body` with this client's tokenizer; an embedding
+        prompt is encoded in a worker thread). Closing the iterator closes the HTTP stream, which aborts the
+        request in vLLM."""
         if request.prompt_is_ids:
-            body = request_body(request)
+            body = request_body(request, tokenizer=self.tokenizer)
         else:
-            body = await asyncio.to_thread(request_body, request)
+            body = await asyncio.to_thread(request_body, request, SERVED_NAME, self.tokenizer)
         stream = self.stream_body(body)
         try:
             async for chunk in stream:
@@ -299,11 +434,22 @@ class VLLMClient:
                 "engine_pid": getattr(server, "server_pid", None), "engine_restarts": getattr(server, "restarts", None)}
 
     async def stream_body(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]:
-        """Stream one completion of a streaming ``/v1/completions`` request ``body`` as given (tests, benches)."""
-        k = body.get("logprobs") or 0
+        """Stream one completion of a streaming request ``body`` as given (tests, benches): to
+        ``/v1/chat/completions`` when it has ``messages`` (a mixed prompt, :func:`request_body`; its
+        ``_expected_prompt_ids``, taken out of the body sent, are checked against the prompt ids vLLM returns),
+        else to ``/v1/completions``."""
+        chat = "messages" in body
+        expected = None
+        if chat:
+            body = dict(body)
+            expected = body.pop("_expected_prompt_ids", None)
+            k = body.get("top_logprobs") or 0 if body.get("logprobs") else 0
+        else:
+            k = body.get("logprobs") or 0
+        path = "/v1/chat/completions" if chat else "/v1/completions"
         try:
             client = await self._client()
-            async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
+            async with client.stream("POST", f"{self.base_url}{path}", json=body) as r:
                 if r.status_code >= 400:
                     raise _refusal(r.status_code, await r.aread())
                 done = False
@@ -314,7 +460,7 @@ class VLLMClient:
                     if data == "[DONE]":
                         done = True
                         continue
-                    for chunk in _chunks(data, k):
+                    for chunk in _chunks(data, k, expected):
                         yield chunk
         except httpx.HTTPError as exc:  # refused, reset, or cut mid-stream: the engine process is not serving
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \

@@ -4,7 +4,9 @@
   -> a :class:`~core.llm_client.CompletionRequest`: the prompt as token ids when it has no image (so a text-only
   answer is the base LLM's, and prefix caching and n-gram lookup see the ids), as ``(T, H)`` embeddings when it has
   images (:meth:`grafting.model.GraftedVLM.embed`: the LLM's own rows for the text, projected image features at
-  the placeholders; the placeholder ids are then banned, never sampled); the LLM's EOS ids as stop ids.
+  the placeholders; the placeholder ids are then banned, never sampled) with ``prompt_token_ids`` saying which
+  rows are the text's ids (None at the image positions), so a client can send the text as ids (vLLM's mixed
+  prompt, :func:`core.vllm_client.request_body`); the LLM's EOS ids as stop ids.
 - :func:`to_deltas`: the client's chunks -> :class:`~grafting.generate.Delta` events, one per generated token
   (a chunk's text on its first token), the stop token counted but not shown, then one final event with
   ``finish_reason`` and ``completion_tokens``.
@@ -54,6 +56,8 @@ def completion_request(model: GraftedVLM, prompt: Prompt, params: SamplingParams
         req.prompt = prompt.input_ids[0].tolist()
     else:
         req.prompt = model.embed(prompt.input_ids, prompt.pixel_values, prompt.image_grid_thw)[0]
+        image = model.image_token_ids.image
+        req.prompt_token_ids = [None if i == image else i for i in prompt.input_ids[0].tolist()]
         req.banned_tokens = model.image_token_ids.banned()
     return req
 

@@ -4,8 +4,10 @@ measured acceptance, and print the report.
 ``chimera speculator train`` has the LLM answer the cpu profile's prompts greedily (self-distillation: text chat
 prompts as token ids, the graft's scene questions as the image embeddings the service sends), trains the head on
 its hidden states and writes a checkpoint in speculators' format with ``speculator.json`` (what vLLM's
-``--speculative-config '{"method": "eagle3", "model": <folder>, "num_speculative_tokens": 3}'`` loads; the VLM
-profile refuses it for now, :func:`services.engines.vllm_server.served_speculation` says why);
+``--speculative-config '{"method": "eagle3", "model": <folder>, "num_speculative_tokens": 3}'`` loads, and the VLM
+profile's ``vlm.engine.vllm.speculative`` serves once :func:`services.engines.vllm_server.served_speculation`
+accepts it; for SmolLM2-135M the head carries its own embedding table with a row for vLLM's mixed-prompt marker
+id, :func:`core.spec.worker.pad_head_table`);
 ``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
 the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`),
 with ``--traffic``'s captured text conversations (:func:`grafting.traffic.read_traffic`) added to the training set.

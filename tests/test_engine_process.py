@@ -208,6 +208,64 @@ def test_completion_request_body():
         request_body(CompletionRequest(prompt=torch.zeros(3), max_tokens=3))
 
 
+def test_mixed_prompt_body_and_chat_stream(model_dir):
+    """An embeddings prompt with ``prompt_token_ids`` and the LLM's tokenizer -> vLLM's mixed prompt on the chat
+    endpoint: a ``text`` part per run of ids that the tokenizer encodes back exactly, the image rows and any run
+    that does not (here ``a`` ``b`` as two ids, which re-encodes as one) as ``prompt_embeds`` parts (adjacent
+    ones merged), chat logprobs asked as ``logprobs`` + ``top_logprobs``; without the tokenizer, or without ids,
+    the embeddings-only completions body. The chat stream: the first chunk (role only) gives no chunk, its
+    ``prompt_token_ids`` are checked at the text positions (EngineError on a difference), content chunks and
+    their logprobs parse like the completions stream's."""
+    import base64
+    import io
+    import json
+
+    import torch
+
+    from core.llm_client import CompletionRequest, EngineError, TokenLogprob
+    from core.smollm2 import smollm2_tokenizer
+    from core.vllm_client import _chunks, request_body
+
+    tok = smollm2_tokenizer(model_dir)
+    a = tok.encode("<|im_start|>user\n", add_special_tokens=False)
+    b = tok.convert_tokens_to_ids(["a", "b"])
+    assert tok.encode("ab", add_special_tokens=False) != b  # not what the tokenizer makes of its text
+    c = tok.encode(" What is it?<|im_end|>\n", add_special_tokens=False)
+    ids = a + [None] * 3 + b + [None] * 2 + c
+    embeds = torch.arange(len(ids) * 4, dtype=torch.float32).reshape(len(ids), 4)
+    req = CompletionRequest(prompt=embeds, max_tokens=3, prompt_token_ids=ids, logprobs=2,
+                            banned_tokens={13: "<jupyter_code>"})
+    body = request_body(req, model="m", tokenizer=tok)
+    parts = body["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["text", "prompt_embeds", "text"] and "prompt_embeds" not in body
+    assert parts[0]["text"] == "<|im_start|>user\n" and parts[2]["text"] == " What is it?<|im_end|>\n"
+    rows = torch.load(io.BytesIO(base64.b64decode(parts[1]["data"])))
+    assert torch.equal(rows, embeds[len(a):len(a) + 7])
+    assert body["_expected_prompt_ids"] == a + [None] * 7 + c
+    assert body["logprobs"] is True and body["top_logprobs"] == 2 and body["bad_words"] == ["<jupyter_code>"]
+    for plain in (request_body(req, model="m"), request_body(CompletionRequest(prompt=embeds, max_tokens=3),
+                                                             tokenizer=tok)):
+        assert "messages" not in plain and plain["prompt_embeds"]
+    with pytest.raises(ValueError, match="entries for"):
+        request_body(CompletionRequest(prompt=embeds, max_tokens=3, prompt_token_ids=ids[1:]), tokenizer=tok)
+
+    expected = body["_expected_prompt_ids"]
+    got = [x if x is not None else 49152 for x in expected]
+    first = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": got}
+    assert _chunks(json.dumps(first), 2, expected) == []
+    with pytest.raises(EngineError, match="first difference at 1"):
+        _chunks(json.dumps(first | {"prompt_token_ids": [got[0], 0] + got[2:]}), 2, expected)
+    with pytest.raises(EngineError, match="ids for"):
+        _chunks(json.dumps(first | {"prompt_token_ids": got[:-1]}), 2, expected)
+    lp = {"content": [{"token": "token_id:5", "logprob": -0.1, "top_logprobs": [
+        {"token": "token_id:3", "logprob": -0.5}, {"token": "token_id:5", "logprob": -0.1}]}]}
+    chunk = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [5], "logprobs": lp,
+                          "finish_reason": "length"}]}
+    (out,) = _chunks(json.dumps(chunk), 2, expected)
+    assert (out.text, out.token_ids, out.finish_reason) == ("Hi", [5], "length")
+    assert out.logprobs == [TokenLogprob(5, -0.1, [(5, -0.1), (3, -0.5)])]
+
+
 def test_never_orphaned_when_supervisor_and_guard_are_killed_together(spec, tmp_path):
     """Ray SIGKILLs a dying replica's children, the guard among them: the server dies with the guard
     (PR_SET_PDEATHSIG) and the server's own worker follows its dead parent (services/engines/engine_site/sitecustomize.py)."""

@@ -1,6 +1,6 @@
 """core.spec without a worker: acceptance statistics against a hand-computed case (and vLLM's counters),
-speculator.json's checks, the profile option's check before vLLM starts, the worker's training alignment, the
-acceptance table and the CLI's refusals."""
+speculator.json's checks, the profile option's check before vLLM starts, the worker's widening of a head's
+embedding table for vLLM's marker id, its training alignment, the acceptance table and the CLI's refusals."""
 
 from __future__ import annotations
 
@@ -98,24 +98,93 @@ def test_record_checks(tmp_path):
         verify_head(head, tmp_path / "empty")
 
 
-def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path):
+def own_table(head, rows: int, declared: int | None = None, width: int = 4):
+    """Give the head folder ``head`` an ``embed_tokens.weight`` of ``(rows, width)`` zeros (its only tensor) and a
+    config declaring ``declared`` (default ``rows``) rows."""
+    from safetensors.torch import save_file
+
+    save_file({"embed_tokens.weight": torch.zeros(rows, width)}, str(head / "model.safetensors"))
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["transformer_layer_config"] = {"vocab_size": rows if declared is None else declared}
+    (head / "config.json").write_text(json.dumps(cfg))
+
+
+def test_pad_head_table_gives_the_marker_a_row(tmp_path, model_dir):
+    """The worker's widening of a saved head (:func:`core.spec.worker.pad_head_table`): SmolLM2's 49152 rows and
+    vLLM's marker id 49152 give 49216 rows, the verifier's first, the marker's equal to that of id 0 (the id the
+    head saw at image positions), zeros elsewhere, the config's ``vocab_size`` and the dtype following; a head
+    without a table is refused; :func:`core.vllm_marker.embeds_marker` reads the marker from the tokenizer."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    from core.smollm2 import smollm2_tokenizer
+    from core.spec.worker import pad_head_table
+    from core.vllm_marker import embeds_marker, head_embed_rows, padded_rows
+
+    tok = smollm2_tokenizer(model_dir)
+    tok.save_pretrained(tmp_path / "llm")
+    LlamaConfig(vocab_size=len(tok)).save_pretrained(tmp_path / "llm")
+    marker, rows = embeds_marker(tmp_path / "llm")
+    assert (marker, rows) == (49152, 49152) and padded_rows(rows, marker) == 49216
+    assert padded_rows(49216, 49152) == 49216 and padded_rows(100, 163) == 192
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    own_table(head, rows)
+    table = torch.randn(rows, 4, dtype=torch.bfloat16)
+    save_file({"embed_tokens.weight": table, "fc.weight": torch.ones(2, 2)}, str(head / "model.safetensors"))
+    assert pad_head_table(head, marker, rows) == 49216
+    got = load_file(str(head / "model.safetensors"))
+    e = got["embed_tokens.weight"]
+    assert e.shape == (49216, 4) and e.dtype == torch.bfloat16 and torch.equal(got["fc.weight"], torch.ones(2, 2))
+    assert torch.equal(e[:rows], table) and torch.equal(e[marker], table[0]) and not e[marker + 1:].any()
+    assert head_embed_rows(head) == 49216
+    save_file({"fc.weight": torch.ones(2, 2)}, str(head / "model.safetensors"))
+    assert head_embed_rows(head) is None
+    with pytest.raises(ValueError, match="no embed_tokens.weight"):
+        pad_head_table(head, marker, rows)
+
+
+def test_served_speculation_checks_an_eagle3_head_before_vllm_starts(tmp_path, model_dir):
     """``vllm.speculative``: n-gram passes unchanged; an eagle3 head is resolved against the model directory and
-    checked against a speculator.json naming the LM's weights, then, for the VLM (image prompts as prompt_embeds, which
-    vLLM 0.32's EAGLE proposer dies on), refused; the speech LM's config refuses any speculation."""
+    checked against a speculator.json naming the LM's weights; for the VLM (image prompts as vLLM mixed prompts) it
+    is refused when neither the LLM's embedding table (SmolLM2's tokenizer with as many rows as ids, the cpu
+    profile's LLM) nor the head's own has a row for vLLM's marker id, or when the head's own table disagrees with
+    its config, and served when the head's own table has one (64 rows more, as the worker writes it) or the LLM's
+    has; the speech LM's config refuses any speculation."""
+    from transformers import LlamaConfig
+
     from audio.config import TTSConfig
     from core.config import DraftSpeculation, NgramSpeculation, VLLMOptions
+    from core.smollm2 import smollm2_tokenizer
     from grafting.config import VLMConfig
     from services.engines.vllm_server import served_speculation
 
     ref, head = _head(tmp_path)
+    tok = smollm2_tokenizer(model_dir)
+    tok.save_pretrained(ref)
+    LlamaConfig(vocab_size=len(tok)).save_pretrained(ref)
     ngram = NgramSpeculation(method="ngram", num_speculative_tokens=4)
     assert served_speculation(VLMConfig(backend="vllm", llm="llm", vllm=VLLMOptions(speculative=ngram)),
                               tmp_path) == ngram
     assert served_speculation(VLMConfig(backend="vllm", llm="llm"), tmp_path) is None
     eagle = VLLMOptions(speculative=DraftSpeculation(method="eagle3", model="head", num_speculative_tokens=3))
     cfg = VLMConfig(backend="vllm", llm="llm", vllm=eagle)
-    with pytest.raises(SpeculatorError, match="provided via prompt_embeds"):  # a head made for this LLM
+    with pytest.raises(SpeculatorError, match="the id 49152 of its own marker token '<prompt_embeds>'.* the LLM's "
+                                              "has 49152 rows and the head none of its own"):  # no table of its own
         served_speculation(cfg, tmp_path)
+    own_table(head, len(tok))  # an older head: speculators saved the LLM's own 49152 rows
+    with pytest.raises(SpeculatorError, match="the LLM's has 49152 rows and the head 49152, .*chimera speculator "
+                                              "train"):
+        served_speculation(cfg, tmp_path)
+    own_table(head, len(tok) + 64, declared=len(tok))
+    with pytest.raises(SpeculatorError, match="has 49216 rows but its config.json's transformer_layer_config"):
+        served_speculation(cfg, tmp_path)
+    own_table(head, len(tok) + 64)  # what the worker writes now (pad_head_table)
+    assert served_speculation(cfg, tmp_path).model == str(head)
+    (head / "model.safetensors").unlink()
+    LlamaConfig(vocab_size=len(tok) + 64).save_pretrained(ref)  # a padded LLM: the head may share its table
+    assert served_speculation(cfg, tmp_path).model == str(head)
     (head / "speculator.json").unlink()
     with pytest.raises(SpeculatorError, match="speculator.json is missing"):  # checked first
         served_speculation(cfg, tmp_path)

@@ -12,7 +12,8 @@ import torch
 
 
 def tiny_llama(tok, tie_word_embeddings: bool = True, seed: int = 0):
-    """A fp32 ``LlamaForCausalLM`` (eval mode) over ``tok``'s vocabulary (``len(tok)`` ids), weights drawn with
+    """A fp32 ``LlamaForCausalLM`` (eval mode) over ``tok``'s vocabulary (``len(tok)`` embedding rows, as
+    SmolLM2-135M has: no row for vLLM's mixed-prompt marker id, ``core.vllm_marker``), weights drawn with
     ``torch.manual_seed(seed)``; ``tie_word_embeddings`` False gives it its own ``lm_head`` (a test can then change
     the output rows of some tokens without changing their input embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM

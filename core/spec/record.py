@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.quant import fidelity
+from core.vllm_marker import head_embed_rows
 
 SPECULATOR_FILE = "speculator.json"
 FORMAT_VERSION = 1
@@ -38,7 +39,8 @@ def read_record(head_dir: str | Path) -> dict:
 def verify_head(head_dir: str | Path, verifier_dir: str | Path) -> dict:
     """Check that the EAGLE-3 head in ``head_dir`` was trained for the LLM in ``verifier_dir`` and return its
     record: ``speculator.json`` readable, its verifier hash equal to that of ``verifier_dir``, ``config.json`` a
-    speculators ``eagle3`` config. Raises SpeculatorError naming the first failed check."""
+    speculators ``eagle3`` config, the rows of the head's own embedding table (if it carries one) those its config
+    declares (:func:`core.vllm_marker.head_embed_rows`). Raises SpeculatorError naming the first failed check."""
     record = read_record(head_dir)
     fidelity.check_made_from(record.get("verifier_sha256"), verifier_dir, SpeculatorError,
                              f"{head_dir} was trained for other weights than",
@@ -46,4 +48,8 @@ def verify_head(head_dir: str | Path, verifier_dir: str | Path) -> dict:
     cfg = fidelity.read_config(head_dir, SpeculatorError)
     if cfg.get("speculators_model_type") != "eagle3":
         raise SpeculatorError(f"{head_dir}/config.json is not a speculators EAGLE-3 config")
+    try:
+        head_embed_rows(head_dir)
+    except (OSError, ValueError) as exc:
+        raise SpeculatorError(f"{exc}; train the head again with `chimera speculator train`") from None
     return record

@@ -8,9 +8,9 @@ Steps, for a Llama-architecture verifier LM in ``verifier`` (the weights the ser
    left-padded batches; one forward over prompt + answer then keeps, per position, the verifier's hidden states
    after layers ``layer_ids`` (vLLM's EAGLE-3 auxiliary states: the residual stream after layer k, what
    ``vllm/model_executor/models/llama.py`` hands the drafter) and its pre-norm last hidden state (the target's
-   logits are ``lm_head(norm(.))`` of it). An embeddings prompt's positions get token id 0 (vLLM 0.32 has no
-   token ids there and its EAGLE proposer fails on a ``prompt_embeds`` request:
-   :func:`services.engines.vllm_server.served_speculation`).
+   logits are ``lm_head(norm(.))`` of it). An embeddings prompt's positions get token id 0 (the prompt file holds
+   no ids for them; vLLM serves the VLM's image prompts as mixed prompts whose image positions hold its own marker
+   id, which the draft embeds: :mod:`core.vllm_marker`).
 2. The draft vocabulary: the ``draft_vocab`` most frequent tokens of the training answers (speculators'
    ``build_vocab_mappings_from_distribution``; the rest of the verifier's vocabulary is never proposed).
 3. Training: speculators' ``Eagle3DraftModel`` (one Llama decoder layer over [token embedding, fc(aux states)],
@@ -20,7 +20,9 @@ Steps, for a Llama-architecture verifier LM in ``verifier`` (the weights the ser
 4. Held-out acceptance per held-out set: every answer position starts a ``ttt_steps``-token draft; the accepted
    length is the number of leading drafts equal to the verifier's greedy tokens (:mod:`core.spec.acceptance`).
 5. The checkpoint (speculators' format, what ``vllm serve --speculative-config '{"method": "eagle3", ...}'``
-   loads) and ``speculator.json`` (:mod:`core.spec.record`).
+   loads) and ``speculator.json`` (:mod:`core.spec.record`). When the verifier's embedding table has no row for
+   vLLM's mixed-prompt marker id (SmolLM2-135M), the head's own ``embed_tokens`` is widened to have one
+   (:func:`pad_head_table`), so vLLM serves it for the VLM's image prompts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from core.quant.fidelity import weights_sha256
 from core.quant.prompts import read_prompts, split_roles
+from core.vllm_marker import EMBED_KEY, marker_id, padded_rows
 
 from .acceptance import acceptance_summary, accepted_lengths
 from .record import write_record
@@ -192,16 +195,59 @@ def draft_acceptance(model, seqs: list[Sequence], ttt_steps: int, device: str = 
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
+IMAGE_POSITION_ID = 0  # the id distill gives an embeddings prompt's positions (its prompt file holds none there)
+
+
+def pad_head_table(out: str | Path, marker: int, rows: int) -> int:
+    """Widen the saved head in ``out`` so vLLM's marker id ``marker`` is a row of the table its draft embeds with,
+    for a verifier of ``rows`` embedding rows (``marker >= rows``; :mod:`core.vllm_marker`). Returns the new row
+    count, :func:`core.vllm_marker.padded_rows` (49216 for SmolLM2-135M).
+
+    The head's ``embed_tokens.weight`` (``(rows, H)``, the verifier's table, saved by speculators, in the dtype it
+    was saved in) becomes ``(new rows, H)``: the verifier's rows, then zero rows, except that the marker's row is
+    the row of :data:`IMAGE_POSITION_ID` (what the head saw at image positions in training, :func:`distill`).
+    ``transformer_layer_config.vocab_size`` in ``config.json`` becomes the new count (vLLM builds the draft's table
+    from it, ``vllm/model_executor/models/llama_eagle3.py:192``). A table of another shape than the target's is
+    never shared by vLLM (``vllm/v1/spec_decode/llm_base_proposer.py:1450``), so the draft embeds with this one.
+    Only the input table is widened: the draft proposes through ``d2t`` into the verifier's ids (a draft vocabulary
+    smaller than ``rows``, :func:`run`), and vLLM fills the columns of the draft's logits no draft id maps to,
+    padding included, with -inf (``llama_eagle3.py:385-395`` ``compute_logits``), so no proposal is past the
+    target's vocabulary. Raises ValueError when the checkpoint has no ``embed_tokens.weight``."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    new_rows = padded_rows(rows, marker)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        if EMBED_KEY not in tensors:
+            continue
+        old = tensors[EMBED_KEY]
+        table = torch.zeros(new_rows, old.shape[1], dtype=old.dtype)
+        table[:old.shape[0]] = old
+        table[marker] = old[IMAGE_POSITION_ID]
+        tensors[EMBED_KEY] = table.contiguous()
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["transformer_layer_config"]["vocab_size"] = new_rows
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        return new_rows
+    raise ValueError(f"{out}: the head's checkpoint has no {EMBED_KEY} to widen for vLLM's marker id {marker}")
+
+
 def run(spec: dict) -> dict:
     """Do the five steps for ``spec`` (keys: ``verifier``, ``prompts``, ``out``, ``layer_ids`` (None: vLLM's
     default 2, L/2, L-3), ``answer_tokens``, ``draft_vocab``, ``steps``, ``lr``, ``ttt_steps``, ``pack_tokens``,
     ``batch``, ``seed``, ``threads``; optional ``device``, default ``cpu``, and ``verifier_dtype``, default
     ``float32``: where the verifier and the head run and the verifier's dtype, e.g. ``cuda`` and ``bfloat16`` for
-    GLM-4-9B; the head trains in float32). Returns the record written. Raises ValueError for a prompt file without a
-    ``train`` set and a ``heldout`` set."""
+    GLM-4-9B; the head trains in float32). For a verifier without an embedding row for vLLM's marker id the draft
+    vocabulary is at most its vocabulary less one (vLLM maps draft ids through ``d2t`` only when the sizes differ,
+    ``llama_eagle3.py:338``) and the head's table is widened (:func:`pad_head_table`; the record's ``embed_rows``).
+    Returns the record written. Raises ValueError for a prompt file without a ``train`` set and a ``heldout`` set."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, get_cosine_schedule_with_warmup
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                              get_cosine_schedule_with_warmup)
 
     t0 = time.time()
     torch.manual_seed(int(spec["seed"]))
@@ -231,7 +277,9 @@ def run(spec: dict) -> dict:
     for x in train:
         for t in x.ids[x.prompt_len:].tolist():
             freq[t] = freq.get(t, 0) + 1
-    draft_vocab = min(int(spec["draft_vocab"]), config.vocab_size)
+    marker = marker_id(AutoTokenizer.from_pretrained(verifier))
+    pad = marker >= config.vocab_size  # the head needs a table of its own with a row for vLLM's marker id
+    draft_vocab = min(int(spec["draft_vocab"]), config.vocab_size - 1 if pad else config.vocab_size)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, config.vocab_size)
     head_cfg = head_layer_config(config)
     ttt = int(spec["ttt_steps"])
@@ -276,10 +324,14 @@ def run(spec: dict) -> dict:
     cfg["speculators_config"]["verifier"]["name_or_path"] = str(Path(verifier).resolve())
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "config.py").unlink(missing_ok=True)  # speculators' auto_map helper; vLLM reads config.json itself
+    embed_rows = pad_head_table(out, marker, config.vocab_size) if pad else None
+    if pad:
+        log(f"embedding table: {embed_rows} rows (the verifier's {config.vocab_size} and a row for vLLM's marker id "
+            f"{marker})")
     record = {
         "verifier_sha256": weights_sha256(verifier), "verifier": str(Path(verifier).resolve()),
         "method": "eagle3", "num_speculative_tokens": ttt, "layer_ids": layer_ids, "draft_vocab": draft_vocab,
-        "steps": steps, "lr": float(spec["lr"]), "answer_tokens": int(spec["answer_tokens"]),
+        "embed_rows": embed_rows, "steps": steps, "lr": float(spec["lr"]), "answer_tokens": int(spec["answer_tokens"]),
         "seed": int(spec["seed"]), "parameters": sum(p.numel() for n, p in head.named_parameters()
                                                        if not n.startswith("verifier_")),
         "sets": {n: {"role": s.role, "prompts": len(s.prompts), "description": s.description}

@@ -17,7 +17,8 @@ from audio import vllm_ext
 from audio.config import TTSConfig
 from core.config import Speculation, VLLMOptions, in_project, resolve_path
 from core.constants import SERVED_NAME
-from core.vllm_client import VLLMClient
+from core.vllm_client import MIXED_CHAT_TEMPLATE, VLLMClient
+from core.vllm_marker import VLLM_EMBEDS_MARKER, embeds_marker, head_embed_rows
 from grafting.config import VLMConfig
 
 from .process import ServerProcess, ServerSpec
@@ -25,10 +26,13 @@ from .process import ServerProcess, ServerSpec
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SPEECH_EXT = str(Path(vllm_ext.__file__).resolve().parent)  # chimera_frame_constraint, importable in .venv-vllm
 FRAME_PROCESSOR = "chimera_frame_constraint:FramePositionLogitsProcessor"
-EAGLE_EMBEDS_REFUSAL = (
-    "an EAGLE-3 head is not served for the VLM with vLLM 0.32: its image prompts are prompt_embeds, and vLLM's "
-    "EAGLE proposer fails on them (gpu_input_batch.get_token_id: 'provided via prompt_embeds, and its ID is "
-    "unknown'), killing the engine; use method ngram or none")
+EAGLE_MARKER_REFUSAL = (
+    "an EAGLE-3 head is not served for the VLM of {llm} with {head}: vLLM 0.32 gives the image positions of its "
+    "mixed prompts the id {marker} of its own marker token {text!r}, and its EAGLE proposer embeds that id unmasked "
+    "with the head's own embedding table, or the LLM's when the head has none or an equal one; the LLM's has {rows} "
+    "rows and the head {own}, so the draft's embed_input_ids would raise IndexError and kill the engine; train the "
+    "head again with `chimera speculator train` (it writes a table of its own with a row for that id), or use "
+    "method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
 
 
@@ -50,9 +54,13 @@ def server_spec(config: VLMConfig, llm_path: str) -> ServerSpec:
     sampling field); ``--enable-prompt-embeds`` for prompts with images; structured outputs emit compact JSON
     (xgrammar with ``disable_any_whitespace``, a server-wide setting): the grammar otherwise lets a small model emit
     newlines until ``max_tokens``, and an answer cut there does not parse. ``vllm.speculative`` becomes
-    ``--speculative-config`` (its fields as JSON)."""
+    ``--speculative-config`` (its fields as JSON). The chat template is
+    :data:`core.vllm_client.MIXED_CHAT_TEMPLATE` with content parts as OpenAI's list (``--chat-template-content-format
+    openai``): the VLM's image prompts come to ``/v1/chat/completions`` as vLLM's mixed prompt, already rendered
+    by the VLM's processor (:func:`core.vllm_client.request_body`); nothing else uses that endpoint of this server."""
     args = ["--enable-prompt-embeds", "--max-logprobs", "20",
-            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+            "--chat-template", MIXED_CHAT_TEMPLATE, "--chat-template-content-format", "openai"]
     return _spec(config.vllm, config.dtype, llm_path, config.max_prompt_tokens + config.max_new_tokens,
                  config.max_batch_size, args, {})
 
@@ -116,12 +124,15 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     checkpoints) once :func:`core.spec.record.verify_head` accepts it for the LM (its ``speculator.json``, written
     by ``chimera speculator train``, names the LM's own weights: a head trained for other weights would stay
     lossless but propose garbage). The speech LM's config refuses any speculation (:class:`audio.config.TTSConfig`:
-    vLLM refuses its frame-constraint logits processor then). An ``eagle3`` head for the VLM is, once checked, refused for now: the VLM sends image prompts
-    as ``prompt_embeds`` and vLLM 0.32's EAGLE proposer then reads a prompt token id that does not exist
-    (``vllm/v1/spec_decode/llm_base_proposer.py:1065`` ``prepare_next_token_ids_padded`` ->
-    ``vllm/v1/worker/gpu_input_batch.py:78`` ``ValueError: ... provided via prompt_embeds, and its ID is
-    unknown``), which kills the engine (measured, tests/test_spec_vllm.py). Raises SpeculatorError (a ValueError)
-    naming the failed check."""
+    vLLM refuses its frame-constraint logits processor then). For the VLM, whose image prompts vLLM gets as mixed
+    prompts (token ids at the text, embeddings at the image: :func:`core.vllm_client.request_body`; an
+    embeddings-only prompt would kill the engine, ``vllm/v1/worker/gpu_input_batch.py:78``), an ``eagle3`` head is
+    also refused when vLLM's marker id is not a row of the LLM's embedding table
+    (:func:`core.vllm_marker.embeds_marker`; SmolLM2-135M, the cpu profile's LLM, has exactly as many rows as
+    tokenizer ids) and the head carries no table of its own that has it (:func:`core.vllm_marker.head_embed_rows`):
+    the proposer would index past the table, killing the engine. ``chimera speculator train`` writes such a table
+    for such an LLM (:func:`core.spec.worker.pad_head_table`). Raises SpeculatorError (a ValueError) naming the
+    failed check."""
     s = config.vllm.speculative
     if s is None or s.method != "eagle3":
         return s
@@ -131,20 +142,31 @@ def served_speculation(config: VLMConfig | TTSConfig, model_dir: str | Path | No
     head = resolve_path(model_dir, s.model)
     verify_head(head, reference)
     if isinstance(config, VLMConfig):
-        raise SpeculatorError(EAGLE_EMBEDS_REFUSAL)
+        try:
+            marker, rows = embeds_marker(reference)
+        except (OSError, ValueError) as exc:
+            raise SpeculatorError(f"the LLM's tokenizer or config in {reference} cannot be read: {exc}") from None
+        own = head_embed_rows(head)  # verify_head has checked it against the head's config
+        if marker >= rows and (own is None or own <= marker):
+            raise SpeculatorError(EAGLE_MARKER_REFUSAL.format(
+                llm=reference, head=head, marker=marker, text=VLLM_EMBEDS_MARKER, rows=rows,
+                own="none of its own" if own is None else f"{own}"))
     return s.model_copy(update={"model": head})
 
 
 def start_vllm_for(config: VLMConfig | TTSConfig, model_dir: str | Path | None = None) -> VLLMClient:
     """Start (not await) the vLLM server for ``config`` (a VLM's LLM or the speech LM, paths relative to
     ``model_dir``) under supervision and return a client of it (``client.server`` is the :class:`ServerProcess`;
-    ``client.close()`` stops it). Raises FileNotFoundError when the engine interpreter is missing (run
-    ``make install``); QuantizedCheckpointError for a ``vllm.quantized`` checkpoint that must not be served
-    (:func:`served_checkpoint`); SpeculatorError for an ``eagle3`` head that must not be served
-    (:func:`served_speculation`)."""
+    ``client.close()`` stops it; a VLM's client holds the served LLM's tokenizer, for mixed prompts). Raises
+    FileNotFoundError when the engine interpreter is missing (run ``make install``); QuantizedCheckpointError for
+    a ``vllm.quantized`` checkpoint that must not be served (:func:`served_checkpoint`); SpeculatorError for an
+    ``eagle3`` head that must not be served (:func:`served_speculation`)."""
     path = served_checkpoint(config, model_dir)
     config = config.model_copy(update={"vllm": config.vllm.model_copy(
         update={"speculative": served_speculation(config, model_dir)})})
-    spec = speech_server_spec(config, path) if isinstance(config, TTSConfig) else server_spec(config, path)
-    server = ServerProcess(spec)
-    return VLLMClient(server.start())
+    if isinstance(config, TTSConfig):
+        return VLLMClient(ServerProcess(speech_server_spec(config, path)).start())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)  # the server's: mixed prompts are rendered with it
+    return VLLMClient(ServerProcess(server_spec(config, path)).start(), tokenizer=tokenizer)
