@@ -3,13 +3,13 @@ cpu profile's VLM deployment on vLLM for image prompts.
 
 SmolLM2-135M's embedding table has exactly its tokenizer's 49152 ids, so vLLM's mixed-prompt marker id 49152 is
 no row of it (``core.vllm_marker``); ``chimera speculator train``'s worker writes the head with its own table of
-49216 rows (``core.spec.worker.pad_head_table``), which vLLM keeps apart from the target's. The head trains 30
+49216 rows (``core.spec.worker.pad_head_table``), which vLLM keeps apart from the target's. The head trains 8
 steps on six text prompts (its acceptance is not the point: losslessness and the engine's survival are). Three VLM
 deployments run in this process (no Ray): ``eagle3`` (vLLM with the head), ``vllm`` (vLLM without it; both servers
 start at once) and ``transformers`` (the in-process reference); greedy answers to image and text chats must be the
 same tokens on all three, the head must draft for the image prompt, and the engine must answer again afterwards.
-About 4 to 5 minutes on 2 cores shared with a training job (the worker's distillation and 30 steps 2 to 3 of them,
-the two servers' start-up under 1).
+About 90 s on 2 quiet cores (2026-12-04: 63 s of set-up, the worker's distillation and 8 steps and both
+servers' start-up; 17 s for the chats); 4 to 5 minutes with 30 steps beside a training job.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def head(tmp_path_factory, model_dir):
             "chat": PromptSet("heldout", "two text prompts", [chat_ids(tok, t) for t in HELDOUT])}
     spec = {"verifier": str(model_dir / SMOLLM2_DIR), "out": str(root / "head"),
             "prompts": str(write_prompts(root / "prompts.safetensors", sets)), "layer_ids": None,
-            "answer_tokens": 24, "draft_vocab": 1024, "steps": 30, "lr": 3e-3, "ttt_steps": K, "pack_tokens": 512,
+            "answer_tokens": 24, "draft_vocab": 1024, "steps": 8, "lr": 3e-3, "ttt_steps": K, "pack_tokens": 512,
             "batch": 4, "seed": 0, "threads": 2}
     return root / "head", train_head(spec, root / "spec.json", echo=lambda _line: None)
 
