@@ -38,7 +38,7 @@ import torch
 
 from core.quant.fidelity import weights_sha256
 from core.quant.prompts import read_prompts, split_roles
-from core.vllm_marker import EMBED_KEY, marker_id, padded_rows
+from core.vllm_marker import EMBED_KEY, embeds_marker, padded_rows
 
 from .acceptance import acceptance_summary, accepted_lengths
 from .record import write_record
@@ -246,8 +246,7 @@ def run(spec: dict) -> dict:
     Returns the record written. Raises ValueError for a prompt file without a ``train`` set and a ``heldout`` set."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                              get_cosine_schedule_with_warmup)
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, get_cosine_schedule_with_warmup
 
     t0 = time.time()
     torch.manual_seed(int(spec["seed"]))
@@ -277,8 +276,8 @@ def run(spec: dict) -> dict:
     for x in train:
         for t in x.ids[x.prompt_len:].tolist():
             freq[t] = freq.get(t, 0) + 1
-    marker = marker_id(AutoTokenizer.from_pretrained(verifier))
-    pad = marker >= config.vocab_size  # the head needs a table of its own with a row for vLLM's marker id
+    marker, rows = embeds_marker(verifier)
+    pad = marker >= rows  # the head needs a table of its own with a row for vLLM's marker id
     draft_vocab = min(int(spec["draft_vocab"]), config.vocab_size - 1 if pad else config.vocab_size)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab, config.vocab_size)
     head_cfg = head_layer_config(config)
@@ -324,9 +323,9 @@ def run(spec: dict) -> dict:
     cfg["speculators_config"]["verifier"]["name_or_path"] = str(Path(verifier).resolve())
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "config.py").unlink(missing_ok=True)  # speculators' auto_map helper; vLLM reads config.json itself
-    embed_rows = pad_head_table(out, marker, config.vocab_size) if pad else None
+    embed_rows = pad_head_table(out, marker, rows) if pad else None
     if pad:
-        log(f"embedding table: {embed_rows} rows (the verifier's {config.vocab_size} and a row for vLLM's marker id "
+        log(f"embedding table: {embed_rows} rows (the verifier's {rows} and a row for vLLM's marker id "
             f"{marker})")
     record = {
         "verifier_sha256": weights_sha256(verifier), "verifier": str(Path(verifier).resolve()),
