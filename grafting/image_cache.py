@@ -105,6 +105,12 @@ class ImageFeatureCache:
             self._bytes += size
             return True
 
+    def peek(self, key: str) -> torch.Tensor | None:
+        """The stored features for ``key`` or None, without counting a hit or a miss or changing the LRU order
+        (for readers that are not serving the image: traffic capture)."""
+        with self._lock:
+            return self._items.get(key)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._items

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .image_cache import ImageFeatureCache, cached_image_features
+from .image_cache import ImageFeatureCache, cached_image_features, image_keys
 from .projector import GraftProjector
 
 
@@ -89,6 +89,26 @@ class GraftedVLM(nn.Module):
                                          self.device, self.llm.get_input_embeddings().weight.dtype)
         return self.encode_images(pixel_values, image_grid_thw)
 
+    @torch.inference_mode()
+    def features_by_key(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                        want: set[str]) -> dict[str, torch.Tensor]:
+        """``{key: features}`` of the packed images whose key (:func:`grafting.image_cache.image_keys`) is in
+        ``want``: each image's ``(h * w / 4, H_llm)`` rows in the LLM embedding dtype, on the CPU, the rows the
+        LLM gets for it (what :meth:`image_features` gives that image alone). Read from :attr:`image_cache`
+        without counting a lookup (:meth:`~grafting.image_cache.ImageFeatureCache.peek`) when there, else
+        encoded alone (tower + projector: as a cache miss is). Shapes as in :meth:`image_features`."""
+        keys = image_keys(pixel_values, image_grid_thw)
+        rows = [int(t * h * w) for t, h, w in image_grid_thw.tolist()]
+        out, start = {}, 0
+        for i, (key, n) in enumerate(zip(keys, rows)):
+            if key in want and key not in out:
+                feats = self.image_cache.peek(key) if self.image_cache is not None else None
+                if feats is None:
+                    feats = self.encode_images(pixel_values[start:start + n], image_grid_thw[i:i + 1])
+                out[key] = feats.detach().to("cpu", self.llm.get_input_embeddings().weight.dtype)
+            start += n
+        return out
+
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Tower + projector on packed images, never cached (shapes as in :meth:`image_features`)."""
         tower_dtype = next(self.tower.parameters()).dtype
@@ -107,10 +127,20 @@ class GraftedVLM(nn.Module):
         Returns: ``(B, T, H_llm)``.
         Raises: ValueError if the number of placeholder positions differs from the number of image tokens.
         """
-        embeds = self.llm.get_input_embeddings()(input_ids.to(self.device))
         if pixel_values is None:
-            return embeds
-        feats = self.image_features(pixel_values, image_grid_thw)
+            return self.llm.get_input_embeddings()(input_ids.to(self.device))
+        return self.embed_features(input_ids, self.image_features(pixel_values, image_grid_thw))
+
+    def embed_features(self, input_ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of ``input_ids`` ``(B, T)`` long with the image placeholder positions overwritten, in
+        reading order, by ``feats`` ``(N, H_llm)`` (any float dtype; cast to the embeddings'): what :meth:`embed`
+        does with the features it computes, and what a captured prompt's stored features are put back with
+        (:mod:`grafting.traffic`). Returns ``(B, T, H_llm)``. Raises ValueError if the number of placeholder
+        positions is not ``N`` or ``H_llm`` is not the LLM's width."""
+        embeds = self.llm.get_input_embeddings()(input_ids.to(self.device))
+        if feats.ndim != 2 or feats.shape[1] != embeds.shape[-1]:
+            raise ValueError(f"image features of shape {tuple(feats.shape)}: want (N, {embeds.shape[-1]}), "
+                             f"the LLM's width")
         mask = input_ids.to(self.device) == self.image_token_ids.image
         n = int(mask.sum())
         if n != feats.shape[0]:

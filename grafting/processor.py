@@ -228,17 +228,48 @@ class GraftProcessor:
         feats = self.image_processor(images=images, return_tensors="pt")
         grid = feats["image_grid_thw"]
         per_image = (grid[:, 1] * grid[:, 2] // self.merge).tolist()
+        return self._finish(self._expand(ids, per_image), feats["pixel_values"], grid, sum(per_image), images)
+
+    def _expand(self, ids: list[int], per_image: list[int]) -> list[int]:
+        """``ids`` with the ``k``-th image marker expanded into ``<start> <image>*per_image[k] <end>``. Raises
+        PromptError when the chat template kept another number of markers than ``len(per_image)``."""
         t = self.image_token_ids
         expanded, k = [], 0
         for tid in ids:
             if tid == t.image:
-                expanded += [t.start] + [t.image] * per_image[k] + [t.end]
+                if k < len(per_image):
+                    expanded += [t.start] + [t.image] * per_image[k] + [t.end]
                 k += 1
             else:
                 expanded.append(tid)
-        if k != len(images):  # the chat template dropped or duplicated a marker
-            raise PromptError(f"chat template kept {k} of {len(images)} image markers", "messages")
-        return self._finish(expanded, feats["pixel_values"], grid, sum(per_image), images)
+        if k != len(per_image):  # the chat template dropped or duplicated a marker
+            raise PromptError(f"chat template kept {k} of {len(per_image)} image markers", "messages")
+        return expanded
+
+    def ids_with_image_rows(self, messages: Any, rows: list[int]) -> torch.Tensor:
+        """The ``(1, T)`` long prompt ids of a conversation whose images are given by their number of LLM rows
+        instead of pixels: each ``{"type": "image_ref", "key": ...}`` part (a captured conversation,
+        :mod:`grafting.traffic`) becomes the span of ``rows[k]`` placeholders that an image part with that many
+        projected rows gets from :meth:`__call__`, the rest validated and rendered as :meth:`__call__` does.
+        Raises PromptError as :meth:`__call__` does (malformed messages, too long), and when the number of
+        ``image_ref`` parts is not ``len(rows)``."""
+        stand_in = Image.new("RGB", (1, 1))  # normalize checks an image part's kind only; its pixels are unused
+        refs = 0
+
+        def part(p: Any) -> Any:
+            nonlocal refs
+            if isinstance(p, dict) and p.get("type") == "image_ref":
+                refs += 1
+                return {"type": "image", "image": stand_in}
+            return p
+
+        messages = [dict(m, content=[part(p) for p in m["content"]])
+                    if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
+        if refs != len(rows):
+            raise PromptError(f"{refs} image references but {len(rows)} images' rows", "messages")
+        conv, _ = self.normalize(messages)
+        ids = self._expand(self.template_ids(conv), list(rows))
+        return self._finish(ids, None, None, sum(rows), []).input_ids
 
     def _finish(self, ids, pixel_values, grid, n_image_tokens, images) -> Prompt:
         if len(ids) > self.max_prompt_tokens:

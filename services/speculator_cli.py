@@ -10,7 +10,9 @@ accepts it; for SmolLM2-135M the head carries its own embedding table with a row
 id, :func:`core.spec.worker.pad_head_table`);
 ``chimera speculator report <folder>`` prints its table. The work runs in ``.venv-spec`` (:mod:`core.spec.runner`);
 the prompts are built here, in the service's environment (:func:`grafting.train.quant_prompts.vlm_prompt_sets`),
-with ``--traffic``'s captured text conversations (:func:`grafting.traffic.read_traffic`) added to the training set.
+with ``--traffic``'s captured conversations (:func:`grafting.traffic.read_traffic`: text ones as token ids, those
+with images as the embeddings the service sent, from the image rows stored at capture) as two more training sets,
+``traffic_text`` and ``traffic_image``.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
           device: str = typer.Option("cpu", help="where the verifier (in the profile's dtype) and the head run: cpu "
                                                  "or cuda (the gpu profile's GLM-4-9B)"),
           traffic: Path = typer.Option(None, help="a captured traffic dataset (vlm.engine.traffic_capture's JSONL): "
-                                                  "its text conversations join the training set; those with "
-                                                  "images are skipped and counted")):
+                                                  "its conversations join the training set (text ones as token ids, "
+                                                  "those with images as the stored image embeddings; lines whose "
+                                                  "embeddings are missing are skipped and counted)")):
     """Distill, train, measure acceptance on the held-out sets, write the head and speculator.json; print the
     table. Exit 2: refused (a profile error, no vlm section, an unknown --train-kinds or --device, an empty
     training set);
@@ -82,17 +85,17 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     model_dir = prof.resolved_model_dir()
     llm_dir = resolve_path(model_dir, cfg.llm)
     out = Path(out or Path(model_dir) / "vlm" / "speculator-eagle3").resolve()
-    conversations, skipped = None, 0
+    captured = None
     if traffic is not None:
         from grafting.traffic import read_traffic
 
         try:
-            conversations, skipped = read_traffic(traffic)
+            captured = read_traffic(traffic)
         except (OSError, ValueError) as e:
             refuse(f"--traffic: {e}")
-        typer.echo(f"traffic: {len(conversations)} text conversations from {traffic}; {skipped} with images "
-                   f"skipped (an image reference cannot be re-made into embeddings)")
-    if n_scenes + n_chat + len(conversations or []) == 0:
+        typer.echo(f"traffic: {len(captured.text)} text and {len(captured.images)} image conversations from "
+                   f"{traffic}; {captured.missing} with images skipped (their embeddings are missing)")
+    if n_scenes + n_chat + (len(captured.text) + len(captured.images) if captured else 0) == 0:
         refuse(f"--train-kinds {train_kinds}: the training set would be empty")
     with tempfile.TemporaryDirectory(prefix="chimera-speculator-") as tmp:
         typer.echo(f"prompts: building the training and held-out sets ({prof.name} profile)")
@@ -100,10 +103,9 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
 
         try:
             sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=n_scenes,
-                                   chat_search=n_chat, seed=seed, fit="train", traffic=conversations,
-                                   traffic_skipped=skipped)
+                                   chat_search=n_chat, seed=seed, fit="train", traffic=captured)
         except ValueError as e:  # too many chat prompts, or a captured conversation the processor refuses
-            refuse(f"--traffic: a captured conversation is refused: {e}" if conversations and "chat training prompts"
+            refuse(f"--traffic: a captured conversation is refused: {e}" if captured is not None and "chat training prompts"
                    not in str(e) else str(e))
         prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
         spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,

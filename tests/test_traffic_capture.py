@@ -10,10 +10,14 @@ import logging
 
 import pytest
 
-from grafting.traffic import TrafficWriter, read_traffic, traffic_line
+import torch
+from safetensors.torch import load_file
+
+from grafting.traffic import TrafficWriter, embeds_bytes, embeds_file, read_traffic, traffic_line
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
 KEY = "0123456789abcdef0123456789abcdef"
+KEY2 = "fedcba9876543210fedcba9876543210"
 
 
 def _chat(text: str, image: bool = False) -> list[dict]:
@@ -80,19 +84,80 @@ def test_the_writer_stops_at_its_cap_and_says_so(tmp_path, caplog):
     assert 'chimera_vlm_traffic_capture_full{model="test-traffic",replica="r"} 1.0' in text
 
 
-def test_the_reader_returns_text_conversations_and_counts_image_skips(tmp_path):
+def _feats(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_writer_stores_each_images_embeddings_once_and_counts_them_in_the_cap(tmp_path, caplog):
+    path = tmp_path / "traffic.jsonl"
+    line = len(json.dumps(traffic_line(_chat("What is this?", image=True), [KEY]), ensure_ascii=False)) + 1
+    blob = len(embeds_bytes(_feats(16, 0)))
+    assert blob > 16 * 8 * 2  # float16 rows and the safetensors header
+    w = TrafficWriter(path, max_bytes=3 * line + 2 * blob - 1)  # room for 3 lines and 2 images, less one byte
+    assert w.record(_chat("What is this?", image=True), [KEY], {KEY: _feats(16, 0)})
+    f = embeds_file(path, KEY)
+    assert f == tmp_path / "traffic.embeds" / f"{KEY}.safetensors" and f.stat().st_size == blob
+    assert (f.stat().st_mode & 0o777) == 0o600 and (f.parent.stat().st_mode & 0o777) == 0o700
+    stored = load_file(str(f))["embeds"]
+    assert stored.dtype == torch.float16 and torch.equal(stored, _feats(16, 0).half())
+    assert w.missing([KEY, KEY2]) == {KEY2}
+    # the same image again: the stored file is used (no features needed), never rewritten
+    mtime = f.stat().st_mtime_ns
+    assert w.record(_chat("What is this?", image=True), [KEY])
+    assert f.stat().st_mtime_ns == mtime and w.size() == 2 * line + blob
+    # a new image whose embeddings would pass the cap: neither they nor the line are written
+    with caplog.at_level(logging.WARNING, logger="chimera"):
+        assert not w.record(_chat("What is this?", image=True), [KEY2], {KEY2: _feats(16, 1)})
+    assert not embeds_file(path, KEY2).exists() and w.size() == 2 * line + blob
+    assert w.stats() == {"written": 2, "dropped": 1, "full": True}
+    assert sum("reached its cap" in r.getMessage() for r in caplog.records) == 1
+    assert w.record(_chat("What is this?", image=True), [KEY])  # a line alone still fits
+    bigger = TrafficWriter(path, max_bytes=4 * line + 2 * blob)  # exactly one more line and image
+    assert bigger.record(_chat("What is this?", image=True), [KEY2], {KEY2: _feats(16, 1)})
+    assert bigger.size() == 4 * line + 2 * blob
+    with pytest.raises(ValueError, match="no embeddings for image"):
+        w.record(_chat("x", image=True), ["f" * 32])
+    with pytest.raises(ValueError, match="32 lower-case hex"):
+        w.record(_chat("x", image=True), ["../../" + "0" * 26], {"../../" + "0" * 26: _feats(2, 0)})
+    with pytest.raises(ValueError, match="shape"):
+        w.record(_chat("x", image=True), ["e" * 32], {"e" * 32: torch.zeros(3)})
+    assert not embeds_file(path, "e" * 32).exists()
+
+
+def test_the_reader_returns_conversations_with_their_embeddings_and_counts_missing_ones(tmp_path):
     path = tmp_path / "t.jsonl"
     w = TrafficWriter(path, max_bytes=1 << 20)
     w.record(_chat("One"), [])
-    w.record(_chat("Two", image=True), [KEY])
+    w.record(_chat("Two", image=True), [KEY], {KEY: _feats(16, 0)})
     w.record(_chat("Three"), [])
-    conversations, skipped = read_traffic(path)
-    assert skipped == 1 and [c[1]["content"] for c in conversations] == ["One", "Three"]
-    for bad, why in (("{not json\n", "not JSON"), ('{"v": 2, "messages": []}\n', "not a traffic line"),
-                     ('{"v": 1}\n', "not a traffic line")):
-        (tmp_path / "bad.jsonl").write_text(json.dumps({"v": 1, "messages": _chat("ok")}) + "\n" + bad)
+    w.record(_chat("Four", image=True), [KEY2], {KEY2: _feats(4, 1)})
+    w.record(_chat("Five", image=True), [KEY])
+    embeds_file(path, KEY2).unlink()  # deleted since: that line is skipped and counted
+    t = read_traffic(path)
+    assert [c[1]["content"] for c in t.text] == ["One", "Three"] and t.missing == 1
+    assert [m[1]["content"][1]["text"] for m, _ in t.images] == ["Two", "Five"]
+    assert all(len(e) == 1 and torch.equal(e[0], _feats(16, 0).half()) for _, e in t.images)
+    good = json.dumps({"v": 1, "messages": _chat("ok")})
+    ref = {"role": "user", "content": [{"type": "image_ref", "key": KEY}]}
+    for bad, why in (("{not json", "not JSON"), ('{"v": 2, "messages": []}', "not a traffic line"),
+                     ('{"v": 1}', "not a traffic line"), ('{"v": 1, "messages": []}', "not a traffic line"),
+                     (json.dumps({"v": 1, "messages": [{"role": "user"}]}), "not a traffic line"),
+                     (json.dumps({"v": 1, "messages": [dict(ref, name="x")]}), "not a traffic line"),
+                     (json.dumps({"v": 1, "messages": [{"role": "user", "content": [
+                         {"type": "image_ref", "key": "../" + KEY}]}]}), "not a traffic line"),
+                     (json.dumps({"v": 1, "messages": [{"role": "user", "content": [
+                         {"type": "image_url", "image_url": {"url": PNG}}]}]}), "not a traffic line")):
+        (tmp_path / "bad.jsonl").write_text(good + "\n" + bad + "\n")
         with pytest.raises(ValueError, match=f"bad.jsonl:2: {why}"):
             read_traffic(tmp_path / "bad.jsonl")
+    embeds_file(path, KEY).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match=f"t.jsonl:2: image {KEY}: .*unreadable"):
+        read_traffic(path)
+    from safetensors.torch import save_file
+
+    save_file({"embeds": torch.zeros(4, 8)}, str(embeds_file(path, KEY)))  # float32: not what the writer stores
+    with pytest.raises(ValueError, match="t.jsonl:2: .*float16"):
+        read_traffic(path)
 
 
 def test_speculator_train_refuses_a_bad_traffic_file_before_any_work(tmp_path):

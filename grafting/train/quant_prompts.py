@@ -22,6 +22,7 @@ import torch
 from core.quant.prompts import PromptSet
 
 from ..config import VLMConfig
+from ..traffic import Traffic
 from .evaluate import TEXT_PROMPTS
 from .scenes import ask, render, sample_scene
 
@@ -70,17 +71,20 @@ def _scene_messages(rng: random.Random, split: str) -> list[dict]:
 @torch.inference_mode()
 def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldout: int = 48,
                     scene_search: int = 8, chat_search: int = 8, seed: int = 0,
-                    fit: str = "search", traffic: list[list[dict]] | None = None,
-                    traffic_skipped: int = 0) -> dict[str, PromptSet]:
+                    fit: str = "search", traffic: Traffic | None = None) -> dict[str, PromptSet]:
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
     backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes
     (with ``fit="train"`` the held-out ones from a stream of their own: the same whatever ``scene_search``).
     ``chat_search`` text prompts come from :func:`train_chat_prompts` (the first 8 are :data:`SEARCH_CHAT_PROMPTS`).
-    ``traffic``: captured text conversations (:func:`grafting.traffic.read_traffic`) added to the fit set as
-    served (chat template, token ids); ``traffic_skipped``, the image conversations the reader skipped, is named in
-    the set's description. Raises ValueError for another ``fit``, too many chat prompts or a captured conversation
-    the processor refuses (PromptError), OSError when a checkpoint is missing (run ``chimera prepare``)."""
+    ``traffic``: a captured dataset (:func:`grafting.traffic.read_traffic`), whose conversations are two more sets
+    of role ``fit``, each present when not empty: ``traffic_text`` (as served: chat template, token ids) and
+    ``traffic_image`` (as served: ``(T, H)`` input embeddings, the LLM's rows for the text and the stored image
+    rows at the placeholders, :meth:`~grafting.processor.GraftProcessor.ids_with_image_rows` and
+    :meth:`~grafting.model.GraftedVLM.embed_features`; its description names the lines skipped for missing
+    embeddings); the ``fit`` set itself is then left out when empty. Raises ValueError for another ``fit``, too
+    many chat prompts or a captured conversation the processor refuses (PromptError) or whose stored image rows
+    are not of the LLM's width, OSError when a checkpoint is missing (run ``chimera prepare``)."""
     if fit not in ("search", "train"):
         raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
     chat_texts = train_chat_prompts(chat_search)
@@ -95,6 +99,10 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
         def ids(text: str) -> torch.Tensor:
             return engine.prepare([{"role": "user", "content": text}]).input_ids[0].long().cpu()
 
+        def stored(messages: list[dict], rows: list[torch.Tensor]) -> torch.Tensor:
+            p_ids = engine.processor.ids_with_image_rows(messages, [r.shape[0] for r in rows])
+            return engine.model.embed_features(p_ids, torch.cat(rows))[0].float().cpu()
+
         rng = random.Random(seed)
         search = [embeds(_scene_messages(rng, "train")) for _ in range(scene_search)]
         # the speculator's held-out scenes do not depend on how many training scenes were drawn (heads trained on
@@ -102,12 +110,20 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
         held_rng = random.Random(f"{seed}-heldout") if fit == "train" else rng
         search += [ids(t) for t in chat_texts]
         described = f"{scene_search} train-split scene questions (image embeddings) and {len(chat_texts)} text prompts"
+        sets = {fit: PromptSet(fit, described, search)}
         if traffic is not None:
-            search += [engine.prepare(m).input_ids[0].long().cpu() for m in traffic]
-            described += (f", {len(traffic)} captured text conversations ({traffic_skipped} captured with images "
-                          f"skipped: an image reference cannot be re-made into embeddings)")
+            if traffic.text:
+                sets["traffic_text"] = PromptSet(fit, f"{len(traffic.text)} captured text conversations (token ids)",
+                                                 [engine.prepare(m).input_ids[0].long().cpu() for m in traffic.text])
+            if traffic.images:
+                sets["traffic_image"] = PromptSet(
+                    fit, f"{len(traffic.images)} captured conversations with images (input embeddings: the stored "
+                         f"image rows; {traffic.missing} skipped, their embeddings missing)",
+                    [stored(m, rows) for m, rows in traffic.images])
+            if not search and len(sets) > 1:
+                del sets[fit]
         return {
-            fit: PromptSet(fit, described, search),
+            **sets,
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as served)",
                                [embeds(_scene_messages(held_rng, "test")) for _ in range(scene_heldout)]),
             "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",

@@ -89,16 +89,16 @@ class Deployment(EngineDeployment):
         async for ev in self._events(prompt, params, response_format, request["messages"]):
             yield ev
 
-    def _capture(self, messages: list, prompt) -> None:
-        """Append the served conversation to the traffic dataset when capture is on (:mod:`grafting.traffic`:
-        text as sent, each image as its image-cache key). A failed write is logged, never the request's error."""
+    async def _capture(self, messages: list, prompt) -> None:
+        """Append the served conversation to the traffic dataset when capture is on (:func:`grafting.traffic.
+        record_served`, in a worker thread: text as sent, each image as its image-cache key and, once per key, the
+        embeddings the LLM got for it). A failed write is logged, never the request's error."""
         if self.traffic is None:
             return
-        from grafting.image_cache import image_keys
+        from grafting.traffic import record_served
 
-        keys = image_keys(prompt.pixel_values, prompt.image_grid_thw) if prompt.pixel_values is not None else []
         try:
-            self.traffic.record(messages, keys)
+            await asyncio.to_thread(record_served, self.traffic, self.engine.model, messages, prompt)
         except (OSError, ValueError) as exc:
             logging.getLogger("chimera").warning("traffic capture: not written: %s", exc)
 
@@ -127,7 +127,7 @@ class Deployment(EngineDeployment):
                         ev["logprobs"] = [self._logprob_entry(d.token_id, d.logprob, d.top_logprobs)]
                     yield ev
                 if d.finish_reason is not None:
-                    self._capture(messages, prompt)
+                    await self._capture(messages, prompt)
                     yield {"type": "end", "finish_reason": d.finish_reason, "completion_tokens": d.completion_tokens,
                            **await self._end_extras(report)}
                     return
