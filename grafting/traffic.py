@@ -259,9 +259,9 @@ def _load_embeds(file: Path) -> torch.Tensor:
 def read_traffic(path: str | Path) -> Traffic:
     """The :class:`Traffic` of a dataset written by :class:`TrafficWriter` (its JSONL ``path``, embeddings from
     :func:`embeds_dir`; each file loaded once). Raises ValueError naming the line for one that is not JSON, not
-    this format's version, or whose ``messages`` are not a non-empty list of ``{role, content}`` with string
-    (or null) content or ``text`` / ``image_ref`` parts (a key of 32 hex digits), and naming the line and the file for an
-    embeddings file that is not one ``(rows, H)`` float16 tensor; FileNotFoundError for a missing ``path``."""
+    this format's version, or whose ``messages`` are not a non-empty list of ``{role, content}`` with string (or
+    null) content or ``text`` / ``image_ref`` parts (a key of 32 hex digits), and naming the line and the file for
+    an embeddings file that is not one ``(rows, H)`` float16 tensor; FileNotFoundError for a missing ``path``."""
     out, loaded = Traffic(), {}
     for n, line in jsonl_values(path):
         keys = _check_messages(line.get("messages")) if isinstance(line, dict) and line.get("v") == \

@@ -105,8 +105,8 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=n_scenes,
                                    chat_search=n_chat, seed=seed, fit="train", traffic=captured)
         except ValueError as e:  # too many chat prompts, or a captured conversation the processor refuses
-            refuse(f"--traffic: a captured conversation is refused: {e}" if captured is not None and "chat training prompts"
-                   not in str(e) else str(e))
+            refuse(f"--traffic: a captured conversation is refused: {e}"
+                   if captured is not None and "chat training prompts" not in str(e) else str(e))
         prompts = write_prompts(Path(tmp) / "prompts.safetensors", sets)
         spec = {"verifier": str(llm_dir), "prompts": str(prompts), "out": str(out), "layer_ids": None,
                 "answer_tokens": answer_tokens, "draft_vocab": draft_vocab, "steps": steps, "lr": lr,
