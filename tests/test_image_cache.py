@@ -64,6 +64,29 @@ def test_hit_equals_fresh_computation_and_skips_the_tower(engine, astronaut, tow
     assert s.bytes == tensor_bytes(fresh) == 64 * 576 * 4  # 64 LLM tokens x hidden 576 x fp32
 
 
+def test_features_by_key_for_traffic_capture_are_the_served_rows_and_count_no_lookup(engine, astronaut,
+                                                                                      tower_calls):
+    """What traffic capture stores per image (``GraftedVLM.features_by_key``): the image's own rows, bit for bit
+    what it was served with; from the cache without counting a hit or a miss (``peek``), else one tower run."""
+    small = astronaut.crop((0, 0, 256, 256))
+    p = engine.prepare(_msgs(data_url(astronaut), data_url(small)))
+    keys = image_keys(p.pixel_values, p.image_grid_thw)
+    alone = [_features(engine, engine.prepare(_msgs(data_url(img)))) for img in (astronaut, small)]
+    calls = len(tower_calls)
+    assert engine.model.features_by_key(p.pixel_values, p.image_grid_thw, set()) == {}
+    got = engine.model.features_by_key(p.pixel_values, p.image_grid_thw, {keys[1]})
+    assert list(got) == [keys[1]] and torch.equal(got[keys[1]], alone[1]) and len(tower_calls) == calls + 1
+    engine.model.image_cache = cache = ImageFeatureCache(64 * 1024 * 1024)
+    try:
+        _features(engine, p)  # served: two misses, stored
+        got = engine.model.features_by_key(p.pixel_values, p.image_grid_thw, set(keys))
+    finally:
+        engine.model.image_cache = None
+    assert len(tower_calls) == calls + 3  # the serve's two encodes; features_by_key read the cache
+    assert [torch.equal(got[k], a) for k, a in zip(keys, alone)] == [True, True]
+    assert (cache.stats().hits, cache.stats().misses) == (0, 2)
+
+
 def test_mixed_hits_and_misses_equal_fresh_encodes_of_each_image(engine, astronaut, tower_calls):
     """Two of three images cached: only the third goes through the tower, and the result equals a fresh encode
     of each image on its own exactly. Against the uncached packed encode of all three (one tower call) it
