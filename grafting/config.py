@@ -81,8 +81,10 @@ class TrafficCaptureConfig(Strict):
     """Capture of the prompts the VLM served (``grafting.traffic``), for ``chimera speculator train --traffic``.
     Off unless ``enabled``. ``path``: the JSONL dataset (relative to the model directory), one line per answered
     chat request: its messages' text, each image as a reference (the image-cache key of its tower input, never
-    pixels or URLs). ``max_mb``: the file's cap in MiB; at the cap nothing more is written (a log line and
-    ``chimera_vlm_traffic_capture_full`` say so). docs/operations/speculator.md: what is stored, how to delete it."""
+    pixels or URLs), and once per image the rows the LLM got for it (float16, in ``<path stem>.embeds/`` beside
+    it). ``max_mb``: the cap in MiB of the file and that folder together; at the cap nothing more is written (a
+    log line and ``chimera_vlm_traffic_capture_full`` say so). docs/operations/speculator.md: what is stored, how
+    to delete it."""
 
     enabled: bool = False
     path: str = "vlm/traffic.jsonl"
