@@ -87,6 +87,32 @@ def test_features_by_key_for_traffic_capture_are_the_served_rows_and_count_no_lo
     assert (cache.stats().hits, cache.stats().misses) == (0, 2)
 
 
+def test_a_captured_conversation_is_rebuilt_into_the_served_ids_and_embeddings(engine, astronaut):
+    """``GraftProcessor.ids_with_image_rows`` + ``GraftedVLM.embed_features`` (how ``--traffic`` rebuilds a captured
+    image chat from its stored rows) give the ids and the embeddings ``prepare`` + ``embed`` served."""
+    from grafting.processor import PromptError
+
+    wide = astronaut.crop((0, 0, 512, 256))
+    msgs = [{"role": "system", "content": "Be brief."}] + _msgs(data_url(astronaut), data_url(wide))
+    p = engine.prepare(msgs)
+    keys = image_keys(p.pixel_values, p.image_grid_thw)
+    feats = engine.model.features_by_key(p.pixel_values, p.image_grid_thw, set(keys))
+    refs = [msgs[0], {"role": "user", "content": [{"type": "image_ref", "key": k} for k in keys]
+                      + [{"type": "text", "text": "Describe."}]}]
+    rows = [feats[k].shape[0] for k in keys]
+    assert rows == [64, 32]
+    ids = engine.processor.ids_with_image_rows(refs, rows)
+    assert torch.equal(ids, p.input_ids)
+    with torch.inference_mode():
+        rebuilt = engine.model.embed_features(ids, torch.cat([feats[k] for k in keys]))
+        served = engine.model.embed(p.input_ids, p.pixel_values, p.image_grid_thw)
+    assert torch.allclose(rebuilt, served, atol=1e-5)  # packed vs alone encodes: equal up to the last bits
+    with pytest.raises(PromptError, match="2 image references but 1"):
+        engine.processor.ids_with_image_rows(refs, rows[:1])
+    with pytest.raises(ValueError, match="the LLM's width"):
+        engine.model.embed_features(ids, torch.zeros(80, 8))
+
+
 def test_mixed_hits_and_misses_equal_fresh_encodes_of_each_image(engine, astronaut, tower_calls):
     """Two of three images cached: only the third goes through the tower, and the result equals a fresh encode
     of each image on its own exactly. Against the uncached packed encode of all three (one tower call) it
