@@ -1,7 +1,10 @@
 """The VLM's traffic dataset (grafting/traffic.py): off by default and validated at profile load; the writer's
-line format (text kept, images by reference only), its size cap (the line that would pass it and all later ones
-not written, one warning, counters and the /metrics series); the reader's text conversations and counted image
-skips, its refusals; ``chimera speculator train --traffic``'s refusal of a bad file before any work."""
+line format (text kept, images by reference), each image's embeddings stored once beside it (float16, 0600), its
+size cap over lines and embeddings (the line that would pass it and all later ones not written, one warning,
+counters and the /metrics series); the reader's text and image conversations, its counted skips of lines whose
+embeddings are missing, its refusals naming the line; ``chimera speculator train --traffic``'s refusal of a bad
+file before any work; and (slow layer) capture through the real deployment with the openai SDK, then a head
+trained on the captured image chats."""
 
 from __future__ import annotations
 
