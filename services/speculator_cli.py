@@ -43,8 +43,9 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
                                                           "--train-kinds chat)"),
           train_chat: int = typer.Option(8, min=0, help="text prompts in the training set, none of them held out "
                                                        "(0 with --train-kinds scene; at most 507)"),
-          heldout_scenes: int = typer.Option(16, min=1, help="held-out test-split scene questions (plus 24 text "
-                                                             "prompts)"),
+          heldout_scenes: int = typer.Option(16, min=1, help="held-out test-split scene questions"),
+          heldout_chat: int = typer.Option(24, min=1, max=24, help="held-out text chat prompts (the first of the "
+                                                                  "evaluation's 24 TEXT_PROMPTS)"),
           pack_tokens: int = typer.Option(2048, min=16, help="tokens per packed training batch"),
           seed: int = typer.Option(0, help="scene draws, initialisation and batch order"),
           threads: int = typer.Option(2, min=1, help="torch threads of the worker"),
@@ -103,7 +104,7 @@ def train(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
 
         try:
             sets = vlm_prompt_sets(cfg, model_dir, scene_heldout=heldout_scenes, scene_search=n_scenes,
-                                   chat_search=n_chat, seed=seed, fit="train", traffic=captured)
+                                   chat_heldout=heldout_chat, chat_search=n_chat, seed=seed, fit="train", traffic=captured)
         except ValueError as e:  # too many chat prompts, or a captured conversation the processor refuses
             refuse(f"--traffic: a captured conversation is refused: {e}"
                    if captured is not None and "chat training prompts" not in str(e) else str(e))

@@ -172,9 +172,12 @@ def test_speculator_train_refuses_a_bad_traffic_file_before_any_work(tmp_path):
     for arg, why in ((tmp_path / "bad.jsonl", "not JSON"), (tmp_path / "missing.jsonl", "No such file")):
         r = CliRunner().invoke(app, ["speculator", "train", "--traffic", str(arg), "--out", str(tmp_path / "h")])
         assert r.exit_code == 2 and why in r.output, r.output
+    for n in ("0", "25"):  # the held-out chat prompts are the first of the evaluation's 24
+        r = CliRunner().invoke(app, ["speculator", "train", "--heldout-chat", n, "--out", str(tmp_path / "h")])
+        assert r.exit_code == 2 and "--heldout-chat" in r.output, r.output
 
 
-@pytest.mark.slow  # the speculator worker's run: about 3 min on 2 busy cores (its 24 held-out chat prompts are fixed)
+@pytest.mark.slow  # the speculator worker's run (one held-out prompt of each kind, 2 steps)
 def test_a_replica_captures_image_chats_and_speculator_train_uses_them(profile, model_dir, astronaut, tmp_path):
     """The real VLM deployment (transformers backend) with capture on, behind the real app, the openai SDK as
     client: a text chat and three image chats (two of one picture) are answered and written, each image as its
@@ -256,11 +259,12 @@ def test_a_replica_captures_image_chats_and_speculator_train_uses_them(profile, 
         assert torch.equal(got[at_image], want[at_image].half().float())  # the image rows: as stored (float16)
     r = CliRunner().invoke(cli, ["speculator", "train", "--traffic", str(path), "--out", str(tmp_path / "head"),
                                  "--steps", "2", "--train-scenes", "0", "--train-chat", "0", "--heldout-scenes", "1",
+                                 "--heldout-chat", "1",
                                  "--answer-tokens", "4", "--pack-tokens", "256", "--draft-vocab", "64"])
     assert r.exit_code == 0, r.output
     assert f"traffic: 1 text and 3 image conversations from {path}; 0 with images skipped" in r.output
     record = read_record(tmp_path / "head")
     assert {n: (s["role"], s["prompts"]) for n, s in record["sets"].items()} == {
-        "traffic_text": ("train", 1), "traffic_image": ("train", 3), "scene": ("heldout", 1), "chat": ("heldout", 24)}
+        "traffic_text": ("train", 1), "traffic_image": ("train", 3), "scene": ("heldout", 1), "chat": ("heldout", 1)}
     assert record["acceptance"]["traffic_image"]["drafts"] > 0
     assert "| traffic_image | train |" in r.output

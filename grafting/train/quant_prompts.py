@@ -70,12 +70,13 @@ def _scene_messages(rng: random.Random, split: str) -> list[dict]:
 
 @torch.inference_mode()
 def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldout: int = 48,
-                    scene_search: int = 8, chat_search: int = 8, seed: int = 0,
+                    scene_search: int = 8, chat_search: int = 8, chat_heldout: int = len(TEXT_PROMPTS),
+                    seed: int = 0,
                     fit: str = "search", traffic: Traffic | None = None) -> dict[str, PromptSet]:
     """The ``search`` (``fit="train"``: ``train``, the speculator's training set), ``scene`` and ``chat`` sets for
     the VLM of ``config`` (its tower, projector and LLM loaded in-process from ``model_dir``: the transformers
-    backend, no server). Counts as named; ``chat`` holds all 24 :data:`TEXT_PROMPTS`; ``seed`` draws the scenes
-    (with ``fit="train"`` the held-out ones from a stream of their own: the same whatever ``scene_search``).
+    backend, no server). Counts as named; ``chat`` holds the first ``chat_heldout`` (all 24 by default) of
+    :data:`TEXT_PROMPTS`; ``seed`` draws the scenes (with ``fit="train"`` the held-out ones from a stream of their own: the same whatever ``scene_search``).
     ``chat_search`` text prompts come from :func:`train_chat_prompts` (the first 8 are :data:`SEARCH_CHAT_PROMPTS`).
     ``traffic``: a captured dataset (:func:`grafting.traffic.read_traffic`), whose conversations are two more sets
     of role ``fit``, each present when not empty: ``traffic_text`` (as served: chat template, token ids) and
@@ -83,11 +84,14 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
     rows at the placeholders, :meth:`~grafting.processor.GraftProcessor.ids_with_image_rows` and
     :meth:`~grafting.model.GraftedVLM.embed_features`; its description names the lines skipped for missing
     embeddings); the ``fit`` set itself is then left out when empty. Raises ValueError for another ``fit``, too
-    many chat prompts or a captured conversation the processor refuses (PromptError) or whose stored image rows
+    many chat training prompts, a ``chat_heldout`` outside 1-24 or a captured conversation the processor refuses (PromptError) or whose stored image rows
     are not of the LLM's width, OSError when a checkpoint is missing (run ``chimera prepare``)."""
     if fit not in ("search", "train"):
         raise ValueError(f"fit {fit!r}: search (chimera quantize) or train (chimera speculator train)")
+    if not 1 <= chat_heldout <= len(TEXT_PROMPTS):
+        raise ValueError(f"{chat_heldout} held-out chat prompts: 1 to {len(TEXT_PROMPTS)}")
     chat_texts = train_chat_prompts(chat_search)
+    chat_held = TEXT_PROMPTS[:chat_heldout]
     from ..engine import VLMEngine
 
     engine = VLMEngine.from_config(config, model_dir)
@@ -126,8 +130,8 @@ def vlm_prompt_sets(config: VLMConfig, model_dir: str | Path | None, scene_heldo
             **sets,
             "scene": PromptSet("heldout", f"{scene_heldout} test-split scene questions (image embeddings, as served)",
                                [embeds(_scene_messages(held_rng, "test")) for _ in range(scene_heldout)]),
-            "chat": PromptSet("heldout", f"{len(TEXT_PROMPTS)} text chat prompts (token ids)",
-                              [ids(t) for t in TEXT_PROMPTS]),
+            "chat": PromptSet("heldout", f"{len(chat_held)} text chat prompts (token ids)",
+                              [ids(t) for t in chat_held]),
         }
     finally:
         engine.close()
