@@ -35,7 +35,7 @@ from services.api.readiness import wait_ready  # noqa: E402
 SERVICE_FILES = {"test_cli_serve.py", "test_crash_recovery.py", "test_cluster_config.py"}
 # Test files that start a real vLLM server in this process (``.venv-vllm``).
 VLLM_FILES = {"test_vlm_vllm.py", "test_tts_vllm.py", "test_quant_vllm.py", "test_spec_vllm.py",
-              "test_spec_ban_vllm.py", "test_spec_smollm2_vllm.py"}
+              "test_spec_ban_vllm.py", "test_spec_smollm2_vllm.py", "test_traffic_head_vllm.py"}
 # Test files that execute notebooks, run real-size dry runs, supervise process groups or build the wheel.
 SLOW_FILES = {"test_graft_notebook.py", "test_video_notebook.py", "test_engine_process.py", "test_fullsize.py",
               "test_packaging.py"}

@@ -3,8 +3,8 @@ line format (text kept, images by reference), each image's embeddings stored onc
 size cap over lines and embeddings (the line that would pass it and all later ones not written, one warning,
 counters and the /metrics series); the reader's text and image conversations, its counted skips of lines whose
 embeddings are missing, its refusals naming the line; ``chimera speculator train --traffic``'s refusal of a bad
-file before any work; and (slow layer) capture through the real deployment with the openai SDK, then a head
-trained on the captured image chats."""
+file before any work. Capture through the real deployment, a head trained on it and served:
+tests/test_traffic_head_vllm.py."""
 
 from __future__ import annotations
 
@@ -175,96 +175,3 @@ def test_speculator_train_refuses_a_bad_traffic_file_before_any_work(tmp_path):
     for n in ("0", "25"):  # the held-out chat prompts are the first of the evaluation's 24
         r = CliRunner().invoke(app, ["speculator", "train", "--heldout-chat", n, "--out", str(tmp_path / "h")])
         assert r.exit_code == 2 and "--heldout-chat" in r.output, r.output
-
-
-@pytest.mark.slow  # the speculator worker's run (one held-out prompt of each kind, 2 steps)
-def test_a_replica_captures_image_chats_and_speculator_train_uses_them(profile, model_dir, astronaut, tmp_path):
-    """The real VLM deployment (transformers backend) with capture on, behind the real app, the openai SDK as
-    client: a text chat and three image chats (two of one picture) are answered and written, each image as its
-    image-cache key and, once per key, the rows the LLM got for it; the prompt builder turns them back into the
-    ids and embeddings the service sent; ``chimera speculator train --traffic`` trains a head (2 steps) whose
-    report counts the captured image prompts as a training set of their own."""
-    import asyncio
-
-    import httpx
-    import openai
-    from typer.testing import CliRunner
-
-    from core.spec.record import read_record
-    from grafting.image_cache import image_keys
-    from grafting.train.quant_prompts import vlm_prompt_sets
-    from services.api.app import build_app
-    from services.cli import app as cli
-    from services.config.profiles import parse_profile
-    from services.deployments.backends import LocalBackend
-    from services.deployments.vlm import Deployment
-    from tests.conftest import data_url
-
-    data = profile.model_dump(mode="json")
-    data["video"] = data["tts"] = None
-    data["vlm"]["engine"]["backend"] = "transformers"
-    path = tmp_path / "traffic.jsonl"
-    data["vlm"]["engine"]["traffic_capture"] = {"enabled": True, "path": str(path), "max_mb": 1}
-    prof = parse_profile(data)
-    dep = Deployment(prof.vlm.model_dump(mode="json"), str(model_dir))
-    app = build_app(prof, {"vlm": LocalBackend(dep)})
-    urls = [data_url(astronaut), data_url(astronaut.crop((0, 0, 256, 256)))]
-
-    def image_chat(url: str, q: str) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                             {"type": "text", "text": q}]}]
-
-    chats = [[{"role": "user", "content": "Name a colour."}], image_chat(urls[0], "What is in this picture?"),
-             image_chat(urls[1], "What colour is the sky?"), image_chat(urls[0], "Who is this?")]
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http, max_retries=0)
-            for m in chats:
-                r = await client.chat.completions.create(model="chimera-vlm", messages=m, max_tokens=4,
-                                                         temperature=0)
-                assert r.choices[0].finish_reason in ("stop", "length")
-            return (await http.get("/metrics")).text
-
-    text = asyncio.run(go())
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
-    keys = [image_keys(p.pixel_values, p.image_grid_thw)[0] for p in map(dep.engine.prepare, chats[1:])]
-    assert lines[0]["messages"] == chats[0] and keys[0] == keys[2] != keys[1]
-    assert [x["messages"][0]["content"][0] for x in lines[1:]] == [{"type": "image_ref", "key": k} for k in keys]
-    assert not any(u in path.read_text() for u in urls)
-    assert sorted(f.name for f in (tmp_path / "traffic.embeds").iterdir()) == sorted(
-        f"{k}.safetensors" for k in set(keys))
-    series = f'{{model="chimera-vlm",outcome="written",replica="{dep.replica_label()}"}}'
-    assert f"chimera_vlm_traffic_capture_prompts_total{series} 4.0" in text
-    # what the service sent its LLM for each image chat: ids with the image spans, and the input embeddings
-    served = []
-    for m in chats[1:]:
-        p = dep.engine.prepare(m)
-        served.append((p.input_ids[0].tolist(), dep.engine.model.embed(p.input_ids, p.pixel_values,
-                                                                       p.image_grid_thw)[0].float()))
-    traffic = read_traffic(path)
-    assert traffic.text == [chats[0]] and traffic.missing == 0 and len(traffic.images) == 3
-    for (m, rows), (ids, _) in zip(traffic.images, served):
-        assert dep.engine.processor.ids_with_image_rows(m, [r.shape[0] for r in rows])[0].tolist() == ids
-    dep.engine.close()
-    sets = vlm_prompt_sets(prof.vlm.engine, model_dir, scene_heldout=1, scene_search=0, chat_search=0, fit="train",
-                           traffic=traffic)
-    assert "train" not in sets and sets["traffic_text"].prompts[0].tolist() == dep.engine.prepare(
-        chats[0]).input_ids[0].tolist()
-    image_id = dep.engine.model.image_token_ids.image
-    for got, (ids, want) in zip(sets["traffic_image"].prompts, served):
-        at_image = torch.tensor(ids) == image_id
-        assert got.shape == want.shape and int(at_image.sum()) > 0
-        assert torch.equal(got[~at_image], want[~at_image])  # the text rows: the LLM's own, exactly
-        assert torch.equal(got[at_image], want[at_image].half().float())  # the image rows: as stored (float16)
-    r = CliRunner().invoke(cli, ["speculator", "train", "--traffic", str(path), "--out", str(tmp_path / "head"),
-                                 "--steps", "2", "--train-scenes", "0", "--train-chat", "0", "--heldout-scenes", "1",
-                                 "--heldout-chat", "1",
-                                 "--answer-tokens", "4", "--pack-tokens", "256", "--draft-vocab", "64"])
-    assert r.exit_code == 0, r.output
-    assert f"traffic: 1 text and 3 image conversations from {path}; 0 with images skipped" in r.output
-    record = read_record(tmp_path / "head")
-    assert {n: (s["role"], s["prompts"]) for n, s in record["sets"].items()} == {
-        "traffic_text": ("train", 1), "traffic_image": ("train", 3), "scene": ("heldout", 1), "chat": ("heldout", 1)}
-    assert record["acceptance"]["traffic_image"]["drafts"] > 0
-    assert "| traffic_image | train |" in r.output
