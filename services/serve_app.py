@@ -53,14 +53,15 @@ def _options(name: str, o: DeploymentOptions) -> dict:
                                    "runtime_env": {"env_vars": env} if env else {}})
 
 
-def _versioned(dep, name: str, init_args: Any):
-    """``dep`` with a Serve version derived from its class and constructor arguments (sha256 of their JSON, 16 hex
-    digits). Without one, ``serve.run`` gives every deployment a random version, so a redeploy restarted every
-    replica (Ray's ``client.deploy_applications``); with it a redeploy restarts only the deployments whose section
-    changed (and those whose ``ray_actor_options`` changed; other option changes are applied in place), as Serve's
-    own config-file deploys do. ``version`` is no public option of ``Deployment.options`` any more: it is passed
-    the way Serve passes it internally (``_internal=True``)."""
-    blob = json.dumps([name, dep.func_or_class.__qualname__, init_args], sort_keys=True, default=str)
+def _versioned(dep, name: str, what: Any):
+    """``dep`` with a Serve version derived from its class and ``what`` its replicas are built from (sha256 of
+    their JSON, 16 hex digits). Without one, ``serve.run`` gives every deployment a random version, so a redeploy
+    restarted every replica (Ray's ``client.deploy_applications``); with it a redeploy restarts only the
+    deployments whose ``what`` changed, and Ray itself restarts those whose ``ray_actor_options`` changed and
+    applies the other options (``num_replicas``, ``max_ongoing_requests`` ...) in place, as for Serve's own
+    config-file deploys. ``version`` is no public option of ``Deployment.options`` any more: it is passed the way
+    Serve passes it internally (``_internal=True``)."""
+    blob = json.dumps([name, dep.func_or_class.__qualname__, what], sort_keys=True, default=str)
     return dep.options(version=hashlib.sha256(blob.encode()).hexdigest()[:16], _internal=True)
 
 
@@ -83,7 +84,11 @@ def build_application(profile: Profile, hold_until_ready: bool = False):
             opts["request_router_config"] = router_config()
         args = [section.model_dump(mode="json"), model_dir]
         cls = deployment_class(fam)
-        dep = _versioned(serve.deployment(cls).options(**opts), fam, args)
+        # the version leaves the deployment options out: Ray compares them itself (torch_threads, which the
+        # replica reads from its section, is in ray_actor_options' env too)
+        dep = _versioned(serve.deployment(cls).options(**opts), fam, [section.model_dump(mode="json",
+                                                                                          exclude={"deployment"}),
+                                                                       model_dir])
         hold = {"hold_until_ready": True} if hold_until_ready and issubclass(cls, EngineDeployment) else {}
         handles[fam] = dep.bind(*args, **hold)
     data = profile.model_dump(mode="json")

@@ -493,6 +493,10 @@ def test_a_changed_vlm_section_gives_new_versions_to_the_vlm_and_the_ingress_onl
     assert {n: (d._deployment_config.max_surge_percent, d._deployment_config.graceful_shutdown_timeout_s)
             for n, d in old.items()} == {n: (100, 20.0) for n in ("vlm", "video", "tts", "ingress")}
     assert "max_surge_percent" in old["vlm"]._deployment_config.user_configured_option_names
+    data = cpu.model_dump(mode="json")  # a deployment option alone: Ray applies it in place, same version
+    data["vlm"]["deployment"]["num_replicas"] = 2
+    assert {n: d._version for n, d in _deployments(parse_profile(data)).items() if n != "ingress"} == {
+        n: d._version for n, d in old.items() if n != "ingress"}
 
 
 def test_reload_refuses_a_broken_or_restart_only_profile_and_keeps_the_old_one(tmp_path, capsys, monkeypatch):

@@ -166,3 +166,28 @@ def test_sighup_swaps_in_an_eagle3_head_without_dropping_requests(model_dir, smo
     assert r["rc"] == 0
     at = r["log"].find("Traceback")
     assert at < 0, r["log"][max(0, at - 500):at + 4000]
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.test_spec_swap <head folder> [<surge %> | default]``: one :func:`swap` with that
+    ``vlm.deployment.max_surge_percent``, its counts printed (the measurement of docs/operations/speculator.md;
+    the service's log stays in the printed folder)."""
+    import collections
+    import sys
+    import tempfile
+
+    surge = None if len(argv) < 2 or argv[1] == "default" else int(argv[1])
+    folder = Path(tempfile.mkdtemp(prefix=f"swap-{surge}-"))
+    r = swap(folder, Path(argv[0]), surge)
+    failed = [d for d in r["done"] if d[2] is not None]
+    wrong = [d for d in r["done"] if d[1] is not None and d[1] != r["reference"][d[0]]]
+    print(f"surge {surge}: ready {r['started_s']:.0f} s after start, reload {r['swap_s']:.0f} s, {len(r['done'])} "
+          f"chats, {r['during']} answered during the reload, {len(failed)} failed, {len(wrong)} answers differ, "
+          f"drafts {r['drafts_before']:.0f} -> {r['drafts_after']:.0f}, exit {r['rc']}; log in {folder}")
+    print(collections.Counter(d[2][:100] for d in failed).most_common(3), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
