@@ -534,3 +534,35 @@ def test_reload_refuses_a_broken_or_restart_only_profile_and_keeps_the_old_one(t
         "vlm.engine.vllm.speculative.method: None -> 'eagle3'",
         f"vlm.engine.vllm.speculative.model: None -> '{tmp_path / 'no-head'}'",
         "vlm.engine.vllm.speculative.num_speculative_tokens: None -> 3"]
+
+
+def test_a_reload_replica_whose_server_gives_up_fails_its_constructor_and_leaves_no_process():
+    """``EngineDeployment._hold_until_ready`` (a reload's replica): returns at once without an engine process;
+    when the vLLM server gives up (state ``failed``) it closes the engine, stops the server and raises, so Serve
+    counts a failed start (and retries it) while the old replica keeps serving. Stand-ins for the server and the
+    engine (their own behaviour is tests/test_engine_process.py's)."""
+    from services.deployments.base import EngineDeployment
+
+    class Server:
+        state, last_error, stops = "failed", "exit code 1", 0
+
+        def wait_ready(self, timeout):
+            assert timeout is None  # as long as it takes (a vLLM start)
+            return False
+
+        def stop(self):
+            self.stops += 1
+
+    class Engine:
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+
+    rep = EngineDeployment()
+    rep.engine = Engine()
+    rep._hold_until_ready()  # no server: an in-process engine is ready once constructed
+    rep.server = Server()
+    with pytest.raises(RuntimeError, match=r"^the vLLM server did not start \(failed\): exit code 1$"):
+        rep._hold_until_ready()
+    assert (rep.server.stops, rep.engine.closes) == (1, 1)
