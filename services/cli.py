@@ -13,6 +13,7 @@ import importlib
 import logging
 import math
 import signal
+import threading
 import time
 
 import typer
@@ -170,7 +171,9 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
                                                  "cluster of this node) instead of starting one; a cluster "
                                                  "with token auth needs RAY_AUTH_MODE=token")):
     """Start the service (Ray Serve) and keep it running until Ctrl-C / SIGTERM; either stops it in a few
-    seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0.
+    seconds (in-flight requests finish first, see ``services.serve_app.stop``) and exits with code 0. SIGHUP
+    (``kill -HUP <pid>``) reloads the profile file without a restart (:func:`_reload`: e.g. a new speculative
+    head for the VLM, swapped in replica by replica without dropping requests).
 
     "Chimera is serving ..." is printed once ``GET /readyz`` answers 200 (every model loaded); until then a line
     names the models still loading whenever that list changes.
@@ -178,23 +181,16 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
     First the memory plan is checked (``services.config.memory_plan.check``): a profile that does not fit its GPUs is
     refused with the numbers (exit 2). With ``--address`` the application is deployed on that cluster and, on
     stop, only it is deleted (the cluster and its other applications keep running)."""
-    from .config.memory_plan import PlanError, check, uses_gpus
     from .api.readiness import wait_ready
     from .serve_app import APP_NAME, init_ray, run, stop
 
     t0 = time.monotonic()
     logging.basicConfig(level=logging.INFO)
-    prof = _load(profile)
-    if address:
-        prof = prof.model_copy(update={"ray": prof.ray.model_copy(update={"address": address})})
-    try:
-        if check(prof) is None and uses_gpus(prof):
-            logging.getLogger("chimera").warning("memory plan not checked: GPU memory unknown (set "
-                                                 "ray.gpu_memory_gib in the profile, or run where CUDA is visible)")
-    except PlanError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(2) from None
-    _check_quantized(prof)
+    prof = _with_address(_load(profile), address)
+    problem = _refusal(prof)
+    if problem:
+        typer.echo(problem, err=True)
+        raise typer.Exit(2)
     # Ray's processes (GCS, raylet and, through the raylet, every worker and replica) inherit the signal mask of
     # the thread that starts them, and Ray itself blocks SIGINT in them (which is why Ctrl-C to the whole group
     # leaves them to this process's shutdown). A SIGTERM to the whole group (`timeout`, container runtimes, systemd's
@@ -216,14 +212,18 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
         # the deployment starts, so that a signal at any moment from here on stops everything Ray started.
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, _raise_stop)
+        hup = threading.Event()  # set by SIGHUP; a reload runs here, in the main thread, where _Stop can end it
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: hup.set())
         signal.pthread_sigmask(signal.SIG_SETMASK, prev_mask)
         url = run(prof, host, port)
         typer.echo(f"Chimera is starting at {url}: waiting for GET /readyz (Ctrl-C to stop)")
         wait_ready(_local_url(url), math.inf, poll_s=1.0, progress=_report_loading)
         typer.echo(f"Chimera is serving {', '.join(prof.model_ids())} at {url}  (ready {time.monotonic() - t0:.0f} s "
-                   "after start; Ctrl-C to stop)")
+                   "after start; Ctrl-C to stop, kill -HUP to reload the profile)")
         while True:
-            signal.pause()
+            hup.wait()  # a signal handler's _Stop interrupts the wait
+            hup.clear()  # a SIGHUP during the reload below sets it again: one more reload follows
+            prof = _reload(profile, address, prof, url)
     except _Stop:
         typer.echo("shutting down")
     finally:
@@ -233,15 +233,30 @@ def serve(profile: str = typer.Option("cpu", help="profile name (configs/<name>.
             stop()
 
 
-def _check_quantized(prof) -> None:
-    """Refuse (exit 2, with the reason) a profile serving a quantized checkpoint that must not be served (no or
-    foreign ``fidelity.json``, a scheme this host cannot run) or an EAGLE-3 head that must not be (no or foreign
-    ``speculator.json``) before Ray starts."""
+def _with_address(prof, address: str | None):
+    """``prof`` joining the Ray cluster at ``address`` (``chimera serve --address``), or ``prof`` without one."""
+    if not address:
+        return prof
+    return prof.model_copy(update={"ray": prof.ray.model_copy(update={"address": address})})
+
+
+def _refusal(prof) -> str | None:
+    """Why ``prof`` must not be served (checked before Ray starts, and before a reload), or None: the memory plan
+    (``services.config.memory_plan.check``: a profile that does not fit its GPUs, with the numbers), a quantized
+    checkpoint that must not be served (no or foreign ``fidelity.json``, a scheme this host cannot run) or an
+    EAGLE-3 head that must not be (no or foreign ``speculator.json``). Warns when the plan cannot be checked."""
     from core.quant.fidelity import QuantizedCheckpointError
     from core.spec.record import SpeculatorError
 
+    from .config.memory_plan import PlanError, check, uses_gpus
     from .engines.vllm_server import served_checkpoint, served_speculation
 
+    try:
+        if check(prof) is None and uses_gpus(prof):
+            logging.getLogger("chimera").warning("memory plan not checked: GPU memory unknown (set "
+                                                 "ray.gpu_memory_gib in the profile, or run where CUDA is visible)")
+    except PlanError as err:
+        return str(err)
     for fam in ("vlm", "tts"):
         section = getattr(prof, fam)
         if section is None:  # a profile check refuses vllm.quantized without the vllm backend
@@ -249,13 +264,70 @@ def _check_quantized(prof) -> None:
         try:
             served_checkpoint(section.engine, prof.resolved_model_dir())
         except QuantizedCheckpointError as err:
-            typer.echo(f"{fam}.engine.vllm.quantized: {err}", err=True)
-            raise typer.Exit(2) from None
+            return f"{fam}.engine.vllm.quantized: {err}"
         try:
             served_speculation(section.engine, prof.resolved_model_dir())
         except SpeculatorError as err:
-            typer.echo(f"{fam}.engine.vllm.speculative: {err}", err=True)
-            raise typer.Exit(2) from None
+            return f"{fam}.engine.vllm.speculative: {err}"
+    return None
+
+
+#: Profile keys a reload cannot change: they configure Ray itself or Serve's HTTP proxies, which keep running.
+RESTART_ONLY = ("ray.", "server.host", "server.port", "server.limits.", "server.request_timeout_s")
+
+
+def _flat(data, prefix: str = "") -> dict:
+    """A profile dump as ``{dotted key: leaf value}`` (lists and None are leaves)."""
+    if isinstance(data, dict) and data:
+        return {k: v for key, sub in data.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def profile_changes(old, new) -> list[str]:
+    """The keys that differ between profiles ``old`` and ``new``, as ``key: old -> new`` lines in key order."""
+    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def _reload(profile: str, address: str | None, current, url: str):
+    """SIGHUP: read the profile file again and, when it changed and passes the start's checks (:func:`_refusal`,
+    and no :data:`RESTART_ONLY` key changed), deploy it over the running application
+    (``services.serve_app.redeploy``): only the deployments whose section changed get new replicas, and with
+    ``max_surge_percent`` (the default without GPUs) their old replicas serve until the new ones are ready. Prints
+    what changed and, once ``GET /readyz`` answers 200 again, that the reload is done. Returns the profile now
+    served: ``current`` when the file is unchanged, refused (the reason is printed on stderr; nothing is touched)
+    or failed to deploy (Serve's message is printed and ``current`` deployed again: with surge its replicas never
+    stopped)."""
+    from .api.readiness import wait_ready
+    from .serve_app import redeploy
+
+    t0 = time.monotonic()
+    typer.echo(f"SIGHUP: reloading the profile {profile}")
+    try:
+        new = _with_address(load_profile(profile), address)
+    except ProfileError as err:
+        typer.echo(f"reload refused, still serving the old profile: {err}", err=True)
+        return current
+    changes = profile_changes(current, new)
+    if not changes:
+        typer.echo("reload: the profile is unchanged; nothing to do")
+        return current
+    fixed = [c for c in changes if c.startswith(RESTART_ONLY)]
+    problem = (f"these keys take a restart of chimera serve: {'; '.join(fixed)}" if fixed else None) \
+        or _refusal(new)
+    if problem:
+        typer.echo(f"reload refused, still serving the old profile: {problem}", err=True)
+        return current
+    typer.echo("reload: " + "\n  ".join(["changed:"] + changes))
+    try:
+        redeploy(new)
+    except RuntimeError as err:  # Serve's DEPLOY_FAILED: a new replica's constructor failed
+        typer.echo(f"reload failed, going back to the old profile: {err}", err=True)
+        redeploy(current)  # the old versions: their replicas, kept serving by the surge, are Serve's target again
+        return current
+    wait_ready(_local_url(url), math.inf, poll_s=1.0, progress=_report_loading)
+    typer.echo(f"reload done: the new replicas are ready ({time.monotonic() - t0:.0f} s after SIGHUP)")
+    return new
 
 
 def _local_url(url: str) -> str:

@@ -61,6 +61,32 @@ def _profile_arg(vlm_backend: str, tmp_path: Path) -> str:
     return str(path)
 
 
+def start_serve(profile: str, port: int, log_path: Path) -> subprocess.Popen:
+    """``chimera serve --profile <profile> --port <port>`` as a user starts it, in a session of its own (so its
+    process group can be signalled), its output in ``log_path``."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--profile", profile, "--port",
+                                 str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_line(proc: subprocess.Popen, log_path: Path, line: str, ceiling_s: float = READY_CEILING_S) -> str:
+    """Wait until ``line`` is in the log of ``proc`` (:func:`start_serve`); returns the log. Fails when the
+    process exits first or after ``ceiling_s`` (a hang)."""
+    deadline = time.monotonic() + ceiling_s
+    while line not in (text := log_path.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
+    return text
+
+
+def kill_serve(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (a test's cleanup after a failure) and reap it; nothing when it exited."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 # SIGTERM to the group (containers, systemd) with the VLM on vLLM as shipped: every process, vLLM's server included,
 # gets the signal at once. The other two with the VLM on the transformers backend, whose decode thread must stop too
 # (vLLM's own shutdown when its replica dies is tests/test_engine_process.py's never-orphaned cases).
@@ -72,20 +98,12 @@ def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
     timeout and no traceback."""
     port = free_port()
     log_path = tmp_path / "serve.log"
-    profile = _profile_arg(vlm_backend, tmp_path)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--profile", profile, "--port",
-                                 str(port)], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = start_serve(_profile_arg(vlm_backend, tmp_path), port, log_path)
     try:
         base = f"http://127.0.0.1:{port}"
         # issue 24: "Chimera is serving" was printed when the deployments were constructed, a minute before
         # /readyz was 200 (vLLM's server still loading); it is printed once /readyz is 200
-        deadline = time.monotonic() + READY_CEILING_S
-        while SERVING not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_line(proc, log_path, SERVING)
         assert httpx.get(f"{base}/readyz", timeout=30).status_code == 200, log_path.read_text()[-3000:]
         wait_ready(base, READY_CEILING_S, alive=lambda: proc.poll() is None)
         # /readyz answered every poll while starting (before, polls hung past their timeout and the abandoned
@@ -122,6 +140,4 @@ def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
         at = text.find("Traceback")
         assert at < 0, text[max(0, at - 500):at + 4000]  # the traceback itself, not the log's tail
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_serve(proc)

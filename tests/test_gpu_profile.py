@@ -357,3 +357,26 @@ def test_memory_plan_counts_a_quantized_llm_at_its_weight_bits(tmp_path):
     quant, _ = llm_gib(plan(parse_profile(data), 80 * GB))
     saved = 203_948_032 * 40 * 1 // 2
     assert quant == pytest.approx(base - saved / GIB, abs=0.011)  # both notes round to 0.01 GiB
+
+
+def test_a_gpu_deployment_surges_only_when_asked_and_the_plan_counts_its_surge_replicas():
+    """``max_surge_percent`` defaults to 100 without GPUs and 0 with them (a surge replica needs GPUs of its own);
+    set on the GPU VLM, the plan places its surge replica (two more GPUs, a second vLLM share) after the replicas
+    and, without a ``ray.num_gpus``, counts its GPUs."""
+    from services.config.memory_plan import plan
+
+    gpu, cpu = load_profile("gpu"), load_profile("cpu")
+    assert (gpu.vlm.deployment.surge_percent(), gpu.tts.deployment.surge_percent()) == (0, 0)
+    assert gpu.video.deployment.surge_percent() == 100 and gpu.server.ingress.surge_percent() == 100
+    assert {f: s.deployment.surge_percent() for f, s in cpu.families().items()} == {"vlm": 100, "video": 100,
+                                                                                    "tts": 100}
+    assert [d.surge_replicas() for d in (gpu.vlm.deployment, cpu.vlm.deployment)] == [0, 1]
+    data = gpu.model_dump(mode="json")
+    data["vlm"]["deployment"]["max_surge_percent"] = 50
+    p = plan(parse_profile(data), 80 * GB)  # 4 GPUs: vlm 0-1, its surge replica 2-3, nothing left for speech
+    assert {pl.owner: pl.gpus for pl in p.placements} == {"vlm[0]": [0, 1], "vlm[surge 0]": [2, 3]}
+    assert p.used[2] == p.used[0]
+    assert p.problems[0] == "tts[0] needs 1 GPUs; not enough free of 4"
+    data["ray"]["num_gpus"] = None
+    p = plan(parse_profile(data), 80 * GB)
+    assert p.n_gpus == 6 and p.fits, p.problems

@@ -461,3 +461,108 @@ def test_video_call_cancelled_by_serve_ends_as_cancelled_not_as_a_failure():
     with pytest.raises(JobError) as ei:
         asyncio.run(dep._call("get", "video_x"))
     assert ei.value.status_code == 404
+
+
+def _deployments(profile, hold_until_ready: bool = False) -> dict:
+    """``{name: Serve's deployment}`` of ``build_application(profile)`` as ``serve.run`` deploys them."""
+    from ray.serve._private.build_app import build_app as serve_build
+
+    from services.serve_app import build_application
+
+    app = build_application(profile, hold_until_ready=hold_until_ready)
+    return {d.name: d for d in serve_build(app, name="chimera").deployments}
+
+
+def test_a_changed_vlm_section_gives_new_versions_to_the_vlm_and_the_ingress_only():
+    """Serve replaces the replicas of a deployment whose version changed: a new speculative head changes the
+    VLM's and the ingress's (which holds the whole profile); speech and video keep theirs, so a reload leaves
+    them running; so does ``hold_until_ready`` (a reload's). Every deployment gets its ``max_surge_percent`` (100
+    without GPUs) and drain time."""
+    cpu = load_profile("cpu")
+    data = cpu.model_dump(mode="json")
+    data["vlm"]["engine"]["vllm"]["speculative"] = {"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    old, again, new = _deployments(cpu), _deployments(cpu, hold_until_ready=True), _deployments(parse_profile(data))
+    assert {n: d._version for n, d in old.items()} == {n: d._version for n, d in again.items()}
+    # a reload's replicas of the engine deployments wait for their engines in the constructor; not a new version
+    assert {n: d._replica_config.init_kwargs.get("hold_until_ready") for n, d in again.items()} == {
+        "vlm": True, "tts": True, "video": None, "ingress": None}
+    assert all("hold_until_ready" not in d._replica_config.init_kwargs for d in old.values())
+    assert {n for n in old if old[n]._version != new[n]._version} == {"vlm", "ingress"}
+    assert all(len(d._version) == 16 for d in old.values())
+    assert {n: (d._deployment_config.max_surge_percent, d._deployment_config.graceful_shutdown_timeout_s)
+            for n, d in old.items()} == {n: (100, 20.0) for n in ("vlm", "video", "tts", "ingress")}
+    assert "max_surge_percent" in old["vlm"]._deployment_config.user_configured_option_names
+    data = cpu.model_dump(mode="json")  # a deployment option alone: Ray applies it in place, same version
+    data["vlm"]["deployment"]["num_replicas"] = 2
+    assert {n: d._version for n, d in _deployments(parse_profile(data)).items() if n != "ingress"} == {
+        n: d._version for n, d in old.items() if n != "ingress"}
+
+
+def test_reload_refuses_a_broken_or_restart_only_profile_and_keeps_the_old_one(tmp_path, capsys, monkeypatch):
+    """SIGHUP's reload (``services.cli._reload``) with an unchanged file does nothing; with a changed port, an
+    invalid file or an EAGLE-3 head folder that does not exist it says why on stderr, deploys nothing and keeps
+    serving the profile it had."""
+    from services import cli
+
+    deployed = []
+    monkeypatch.setattr("services.serve_app.redeploy", deployed.append)
+    cpu = load_profile("cpu")
+    path = tmp_path / "p.yaml"
+    data = cpu.model_dump(mode="json")
+    path.write_text(yaml.safe_dump(data))
+    assert cli._reload(str(path), None, cpu, "http://127.0.0.1:1") is cpu
+    assert "unchanged; nothing to do" in capsys.readouterr().out
+    data["server"]["port"] = 8001
+    path.write_text(yaml.safe_dump(data))
+    assert cli._reload(str(path), None, cpu, "http://127.0.0.1:1") is cpu
+    assert "take a restart of chimera serve: server.port: 8000 -> 8001" in capsys.readouterr().err
+    data["server"]["port"] = 8000
+    data["vlm"]["deployment"]["max_surge_percent"] = 101
+    path.write_text(yaml.safe_dump(data))
+    assert cli._reload(str(path), None, cpu, "http://127.0.0.1:1") is cpu
+    assert "vlm.deployment.max_surge_percent: Input should be less than or equal to 100" in capsys.readouterr().err
+    data["vlm"]["deployment"]["max_surge_percent"] = None
+    data["vlm"]["engine"]["vllm"]["speculative"] = {"method": "eagle3", "model": str(tmp_path / "no-head"),
+                                                    "num_speculative_tokens": 3}
+    path.write_text(yaml.safe_dump(data))
+    assert cli._reload(str(path), None, cpu, "http://127.0.0.1:1") is cpu
+    err = capsys.readouterr().err
+    assert "reload refused, still serving the old profile: vlm.engine.vllm.speculative:" in err, err
+    assert deployed == []
+    assert cli.profile_changes(cpu, load_profile(path)) == [
+        "vlm.engine.vllm.speculative.method: None -> 'eagle3'",
+        f"vlm.engine.vllm.speculative.model: None -> '{tmp_path / 'no-head'}'",
+        "vlm.engine.vllm.speculative.num_speculative_tokens: None -> 3"]
+
+
+def test_a_reload_replica_whose_server_gives_up_fails_its_constructor_and_leaves_no_process():
+    """``EngineDeployment._hold_until_ready`` (a reload's replica): returns at once without an engine process;
+    when the vLLM server gives up (state ``failed``) it closes the engine, stops the server and raises, so Serve
+    counts a failed start (and retries it) while the old replica keeps serving. Stand-ins for the server and the
+    engine (their own behaviour is tests/test_engine_process.py's)."""
+    from services.deployments.base import EngineDeployment
+
+    class Server:
+        state, last_error, stops = "failed", "exit code 1", 0
+
+        def wait_ready(self, timeout):
+            assert timeout is None  # as long as it takes (a vLLM start)
+            return False
+
+        def stop(self):
+            self.stops += 1
+
+    class Engine:
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+
+    rep = EngineDeployment()
+    rep.engine = Engine()
+    rep._hold_until_ready()  # no server: an in-process engine is ready once constructed
+    rep.server = Server()
+    with pytest.raises(RuntimeError, match=r"^the vLLM server did not start \(failed\): exit code 1$"):
+        rep._hold_until_ready()
+    assert (rep.server.stops, rep.engine.closes) == (1, 1)

@@ -28,31 +28,14 @@ from services.api.app import build_app
 from services.config.profiles import parse_profile
 from services.deployments.backends import LocalBackend
 from services.deployments.vlm import Deployment
+from tests.conftest import SMOLLM2_HEAD_K as K
 from tests.conftest import data_url
-
-TEXTS = ["What is a cat?", "Name a colour.", "Tell me about rivers.", "What is 2 plus 2?", "Describe the sea.",
-         "Why do dogs bark?"]
-HELDOUT = ["Why is the sky blue?", "Count to three."]
-K = 3
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory, model_dir):
-    """An EAGLE-3 head trained by the worker for SmolLM2-135M (the profile's LLM) and its record."""
-    from core.quant.prompts import PromptSet, write_prompts
-    from core.smollm2 import SMOLLM2_DIR, smollm2_tokenizer
-    from core.spec.runner import train_head
-    from tests.tiny_llama import chat_ids
-
-    root = tmp_path_factory.mktemp("spec_smollm2")
-    tok = smollm2_tokenizer(model_dir)
-    sets = {"train": PromptSet("train", "six text prompts", [chat_ids(tok, t) for t in TEXTS]),
-            "chat": PromptSet("heldout", "two text prompts", [chat_ids(tok, t) for t in HELDOUT])}
-    spec = {"verifier": str(model_dir / SMOLLM2_DIR), "out": str(root / "head"),
-            "prompts": str(write_prompts(root / "prompts.safetensors", sets)), "layer_ids": None,
-            "answer_tokens": 24, "draft_vocab": 1024, "steps": 8, "lr": 3e-3, "ttt_steps": K, "pack_tokens": 512,
-            "batch": 4, "seed": 0, "threads": 2}
-    return root / "head", train_head(spec, root / "spec.json", echo=lambda _line: None)
+def head(smollm2_head):
+    """The EAGLE-3 head of ``conftest.smollm2_head`` (trained once per session)."""
+    return smollm2_head
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ This module reads those configs, places the deployments on GPUs and adds up what
   ``<model_dir>/<org>/<name>``), else from ``configs/published/<org>/<name>`` (the published ``config.json`` files);
 - placement: replicas in profile order (vlm, video front, tts), first fit, as Ray hands out whole GPUs for ``num_gpus >= 1``
   and packs fractions; the video job workers (``jobs.workers`` of ``jobs.gpus_per_job`` GPUs each) then take theirs;
+  a deployment's surge replicas (``deployment.max_surge_percent`` set on a GPU deployment: the replicas a reload
+  starts beside the old ones, ``DeploymentOptions.surge_replicas``) are placed after its replicas, as ``vlm[surge 0]``;
 - each process on a GPU gets :data:`CUDA_CONTEXT_BYTES` (CUDA context and allocator slack: an allowance);
 - with vLLM, the LLM's GPUs each give vLLM ``gpu_memory_utilization`` of their memory (vLLM's default 0.9 when
   unset): weights / tp + activations + the KV cache of one full-length sequence must fit in that share (vLLM
@@ -220,17 +222,19 @@ def plan(profile: Profile, gpu_bytes: int, n_gpus: int | None = None) -> MemoryP
     jobs = profile.video.engine.jobs.gpus_per_job if profile.video is not None else 0
     if n_gpus is None:
         n_gpus = int(profile.ray.num_gpus) if profile.ray.num_gpus is not None else \
-            math.ceil(sum(s.deployment.num_gpus * s.deployment.num_replicas for _, s in asks)) + \
+            math.ceil(sum(s.deployment.num_gpus * (s.deployment.num_replicas + s.deployment.surge_replicas())
+                          for _, s in asks)) + \
             math.ceil(jobs) * (profile.video.engine.jobs.workers if jobs else 0)
     pool = _GPUs(n_gpus)
     placements, problems = [], []
     for fam, s in asks:
-        for r in range(s.deployment.num_replicas):
+        n = s.deployment.num_replicas
+        for r in range(n + s.deployment.surge_replicas()):
+            owner = f"{fam}[{r}]" if r < n else f"{fam}[surge {r - n}]"
             got = pool.take(s.deployment.num_gpus)
             if got is None:
-                problems.append(f"{fam}[{r}] needs {s.deployment.num_gpus:g} GPUs; not enough free of {n_gpus}")
+                problems.append(f"{owner} needs {s.deployment.num_gpus:g} GPUs; not enough free of {n_gpus}")
                 continue
-            owner = f"{fam}[{r}]"
             if fam == "vlm":
                 placements.append(_vlm(profile, model_dir, got, gpu_bytes, owner))
             elif fam == "tts":

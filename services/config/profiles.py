@@ -34,6 +34,13 @@ class DeploymentOptions(Strict):
 
     ``num_cpus``/``num_gpus`` are per replica; fractional CPUs let three deployments share a 2-core host.
     ``max_queued_requests`` bounds the queue: beyond it requests get 429 with ``Retry-After``.
+    ``max_surge_percent``: when a redeploy (``chimera serve``'s SIGHUP reload) replaces this deployment's replicas,
+    Ray Serve first starts up to this percentage of ``num_replicas`` (rounded up) as new replicas and stops an old
+    one only once its replacement is ready, so requests keep being answered (Ray's ``max_surge_percent``). 0: an old
+    replica stops before its replacement starts (requests wait, or fail when it was the only one). None (default):
+    100 for a deployment without GPUs, 0 for one with GPUs, whose surge replica needs GPUs of its own
+    (``services/config/memory_plan.py`` counts them when set). ``graceful_shutdown_timeout_s``: how long a stopping
+    replica's in-flight requests may still run (Ray's default 20 s) before it is killed.
     """
 
     num_replicas: int = Field(1, ge=1)
@@ -45,6 +52,19 @@ class DeploymentOptions(Strict):
     health_check_timeout_s: float = Field(30.0, gt=0)
     # Threads for torch inside the replica (Ray pins OMP to the replica's CPUs otherwise).
     torch_threads: int | None = Field(None, ge=1)
+    max_surge_percent: int | None = Field(None, ge=0, le=100)
+    graceful_shutdown_timeout_s: float = Field(20.0, gt=0)
+
+    def surge_percent(self) -> int:
+        """``max_surge_percent`` as Ray gets it: the value, or for None 100 without GPUs and 0 with them."""
+        if self.max_surge_percent is not None:
+            return self.max_surge_percent
+        return 100 if self.num_gpus == 0 else 0
+
+    def surge_replicas(self) -> int:
+        """Replicas started beside the old ones during a redeploy: ``ceil(surge_percent x num_replicas / 100)``
+        (Ray's integer ceiling, ``deployment_state._surge_replicas_to_start``)."""
+        return (self.surge_percent() * self.num_replicas + 99) // 100
 
 
 class FamilySection(Strict, Generic[E]):

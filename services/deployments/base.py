@@ -23,7 +23,8 @@ class EngineDeployment:
     :class:`core.vllm_client.VLLMClient`); both are None when the model runs in this process. Engine counters come
     from the engine's ``stats()`` (its client's), never from here.
 
-    Subclasses call :meth:`_start_engine` from ``__init__``. ``ready()`` is the engine's readiness (False while
+    Subclasses call :meth:`_start_engine` from ``__init__`` (and :meth:`_hold_until_ready` when their
+    ``hold_until_ready`` argument is set). ``ready()`` is the engine's readiness (False while
     its server is down), ``check_health()`` raises once the server has given up so that Ray replaces the replica,
     and ``__del__`` closes the engine, then stops the server."""
 
@@ -54,6 +55,20 @@ class EngineDeployment:
             if self.server is not None:
                 self.server.stop()
             raise
+
+    def _hold_until_ready(self) -> None:
+        """Return only once the engine answers (at once without an engine process; with one, when its server is
+        ready). A replica's constructor calls it when it replaces another in a reload
+        (``services.serve_app.build_application(..., hold_until_ready=True)``): Ray Serve routes requests to a
+        replica as soon as its constructor returns, and stops the old replica then, so without it the old one
+        stopped while the new vLLM server was still loading and requests got 503 ``engine_unavailable`` until it
+        was up (measured: docs/operations/speculator.md). Raises RuntimeError (the replica fails to start, Serve
+        retries it and the old replica keeps serving) when the server gave up."""
+        if self.server is not None and not self.server.wait_ready(None):
+            why = f"the vLLM server did not start ({self.server.state}): {self.server.last_error}"
+            self.engine.close()
+            self.server.stop()
+            raise RuntimeError(why)
 
     async def ready(self) -> bool:
         """True once the engine is loaded (the constructor has returned) and, with the ``vllm`` backend, while

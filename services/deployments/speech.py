@@ -24,7 +24,7 @@ class Deployment(EngineDeployment):
     stream in place of ``done``. Closing the generator stops generation before the next token.
     """
 
-    def __init__(self, section: dict, model_dir: str):
+    def __init__(self, section: dict, model_dir: str, hold_until_ready: bool = False):
         from audio.backend import needs_engine_process
         from audio.engine import TTSEngine
 
@@ -32,6 +32,8 @@ class Deployment(EngineDeployment):
         self._start_engine(cfg.engine, model_dir, needs_engine_process(cfg.engine.backend),
                            lambda client: TTSEngine.from_config(cfg.engine, model_dir, lm_client=client),
                            cfg.deployment.torch_threads)
+        if hold_until_ready:  # a replica replacing another in a reload (EngineDeployment._hold_until_ready)
+            self._hold_until_ready()
         self.running = 0  # syntheses whose worker thread is alive
         self._count_lock = threading.Lock()
 
