@@ -8,9 +8,9 @@ with Ray Serve's ``max_surge_percent`` (100 by default without GPUs): the new VL
 while the old one keeps answering, then the old one drains and stops. Every request must succeed, every answer be
 the no-speculation answer token for token, requests must have been answered while the reload ran (counted: those
 that completed between the SIGHUP and the "reload done" line), and the new replica must draft (its vLLM
-``spec_decode`` counters in ``/metrics``). 8 min 26 s on 2 cores shared with other jobs (2026-12-04, beside the
-unit layer: the head 240 s, the service's start 85 s, the reload 145 s while the old replica kept decoding); by the
-parts' quiet times (the head about 40 s, each vLLM start about 60 s) about 3 minutes on quiet cores, not measured.
+``spec_decode`` counters in ``/metrics``). 185 s on 2 quiet cores (2026-12-04: the head 27 s, the service's start
+45 s, the reload 85 s while the old replica kept decoding; 55 chats answered during it); 8 min 26 s beside the unit
+layer with two client threads.
 
 Starts the Ray Serve stack and vLLM: run under the e2e lock (``flock /tmp/chimera-e2e.lock``).
 """
