@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import random
-import re
 
 import httpx
 import openai
 import pytest
 
+from core.spec.acceptance import spec_counters
 from grafting.train.synth import render, sample_scene
 from services.api.app import build_app
 from services.config.profiles import parse_profile
@@ -81,9 +81,10 @@ def _answers(deps, profile, messages: list[list[dict]]) -> dict[str, list[str]]:
 
 
 def _drafts(dep) -> float:
-    text = httpx.get(f"{dep.server.base_url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:spec_decode_num_drafts_total(?:{[^}]*})? ([0-9.e+-]+)$", text,
-                                            re.M))
+    """Drafts proposed so far by ``dep``'s vLLM server (its ``/metrics``, read by
+    :func:`core.spec.acceptance.spec_counters`)."""
+    counters = spec_counters(httpx.get(f"{dep.server.base_url}/metrics", timeout=10).text)
+    return counters["drafts"] if counters else 0.0
 
 
 def _image_chat(img, question: str) -> list[dict]:

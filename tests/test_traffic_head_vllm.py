@@ -6,10 +6,10 @@ on 2 cores."""
 from __future__ import annotations
 
 import json
-import re
 
 import torch
 
+from core.spec.acceptance import spec_counters
 from grafting.traffic import read_traffic
 
 MAX_TOKENS = 16  # greedy tokens per chat: long enough that the head drafts several times
@@ -133,7 +133,7 @@ def test_a_head_trained_on_captured_image_chats_is_served_losslessly(profile, mo
 
         assert asyncio.run(answers()) == captured
         metrics = httpx.get(f"{served_dep.server.base_url}/metrics", timeout=10).text
-        drafts = re.findall(r"^vllm:spec_decode_num_drafts_total(?:{[^}]*})? ([0-9.e+-]+)$", metrics, re.M)
-        assert sum(float(v) for v in drafts) > 0, metrics[-2000:]
+        counters = spec_counters(metrics)
+        assert counters is not None and counters["drafts"] > 0, metrics[-2000:]
     finally:
         served_dep.engine.close()
