@@ -347,6 +347,7 @@ class VLLMClient:
         self.pools_opened = 0  # pools made so far (one per event loop used): for tests and benches
         self._pool_guard: AsyncIterator[None] | None = None  # closes the pool when its loop shuts down
         self._speculates: bool | None = None  # whether the server's /metrics has spec-decode counters (once seen)
+        self._open_streams = 0  # completions whose response vLLM has begun and not ended (stats()["open_streams"])
 
     supports_structured_outputs = True
 
@@ -424,14 +425,16 @@ class VLLMClient:
         """``backend`` ``vllm``; ``active``: requests vLLM holds (running + waiting), ``generated_tokens`` since
         the server started (both from its ``/metrics``; None while it does not answer); ``engine_state``,
         ``engine_pid`` (the API server's process id), ``engine_restarts`` (the supervisor's, when it keeps
-        them)."""
+        them), ``open_streams``: completions of this client whose response vLLM has begun (status 200 received)
+        and not yet ended, counted here, so it holds while vLLM's own counters lag (its API server starved of CPU)."""
         try:
             active, generated = await self.requests_in_engine(), await self.generated_tokens()
         except EngineUnavailableError:
             active = generated = None
         server = self.server
         return {"backend": "vllm", "active": active, "generated_tokens": generated, "engine_state": server.state,
-                "engine_pid": getattr(server, "server_pid", None), "engine_restarts": getattr(server, "restarts", None)}
+                "engine_pid": getattr(server, "server_pid", None), "engine_restarts": getattr(server, "restarts", None),
+                "open_streams": self._open_streams}
 
     async def stream_body(self, body: dict[str, Any]) -> AsyncIterator[CompletionChunk]:
         """Stream one completion of a streaming request ``body`` as given (tests, benches): to
@@ -452,16 +455,20 @@ class VLLMClient:
             async with client.stream("POST", f"{self.base_url}{path}", json=body) as r:
                 if r.status_code >= 400:
                     raise _refusal(r.status_code, await r.aread())
-                done = False
-                async for line in r.aiter_lines():  # read to the end after [DONE]: only a whole response
-                    if done or not line.startswith("data: "):  # lets the connection go back to the pool
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    for chunk in _chunks(data, k, expected):
-                        yield chunk
+                self._open_streams += 1
+                try:
+                    done = False
+                    async for line in r.aiter_lines():  # read to the end after [DONE]: only a whole response
+                        if done or not line.startswith("data: "):  # lets the connection go back to the pool
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            done = True
+                            continue
+                        for chunk in _chunks(data, k, expected):
+                            yield chunk
+                finally:
+                    self._open_streams -= 1
         except httpx.HTTPError as exc:  # refused, reset, or cut mid-stream: the engine process is not serving
             raise EngineUnavailableError(f"the language-model engine is unavailable: {type(exc).__name__}") \
                 from None

@@ -35,7 +35,7 @@ from services.api.readiness import wait_ready  # noqa: E402
 SERVICE_FILES = {"test_cli_serve.py", "test_crash_recovery.py", "test_cluster_config.py", "test_spec_swap.py"}
 # Test files that start a real vLLM server in this process (``.venv-vllm``).
 VLLM_FILES = {"test_vlm_vllm.py", "test_tts_vllm.py", "test_quant_vllm.py", "test_spec_vllm.py",
-              "test_spec_ban_vllm.py", "test_spec_smollm2_vllm.py", "test_traffic_head_vllm.py"}
+              "test_spec_ban_vllm.py", "test_traffic_head_vllm.py"}
 # Test files that execute notebooks, run real-size dry runs, supervise process groups or build the wheel.
 SLOW_FILES = {"test_graft_notebook.py", "test_video_notebook.py", "test_engine_process.py", "test_fullsize.py",
               "test_packaging.py"}
@@ -83,34 +83,6 @@ def model_dir(profile):
     for fam, section in profile.families().items():
         importlib.import_module(BUILDERS[fam]).prepare(section.engine, d)
     return d
-
-
-SMOLLM2_HEAD_K = 3  # draft tokens the head below is trained for (ttt_steps) and served with
-
-
-@pytest.fixture(scope="session")
-def smollm2_head(tmp_path_factory, model_dir):
-    """``(folder, record)``: an EAGLE-3 head for the cpu profile's LLM (SmolLM2-135M, ``<model_dir>/vlm/llm``)
-    trained by ``chimera speculator train``'s worker (``core.spec.runner.train_head``) for 8 steps on six text
-    prompts (two held out), :data:`SMOLLM2_HEAD_K` draft tokens: its acceptance is not the point, its serving is
-    (tests/test_spec_smollm2_vllm.py, tests/test_spec_swap.py). About 40 s on 2 quiet cores."""
-    from core.quant.prompts import PromptSet, write_prompts
-    from core.smollm2 import SMOLLM2_DIR, smollm2_tokenizer
-    from core.spec.runner import train_head
-    from tests.tiny_llama import chat_ids
-
-    texts = ["What is a cat?", "Name a colour.", "Tell me about rivers.", "What is 2 plus 2?", "Describe the sea.",
-             "Why do dogs bark?"]
-    heldout = ["Why is the sky blue?", "Count to three."]
-    root = tmp_path_factory.mktemp("spec_smollm2")
-    tok = smollm2_tokenizer(model_dir)
-    sets = {"train": PromptSet("train", "six text prompts", [chat_ids(tok, t) for t in texts]),
-            "chat": PromptSet("heldout", "two text prompts", [chat_ids(tok, t) for t in heldout])}
-    spec = {"verifier": str(model_dir / SMOLLM2_DIR), "out": str(root / "head"),
-            "prompts": str(write_prompts(root / "prompts.safetensors", sets)), "layer_ids": None,
-            "answer_tokens": 24, "draft_vocab": 1024, "steps": 8, "lr": 3e-3, "ttt_steps": SMOLLM2_HEAD_K,
-            "pack_tokens": 512, "batch": 4, "seed": 0, "threads": 2}
-    return root / "head", train_head(spec, root / "spec.json", echo=lambda _line: None)
 
 
 @pytest.fixture(scope="session")

@@ -87,11 +87,11 @@ def kill_serve(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-# SIGTERM to the group (containers, systemd) with the VLM on vLLM as shipped: every process, vLLM's server included,
-# gets the signal at once. The other two with the VLM on the transformers backend, whose decode thread must stop too
-# (vLLM's own shutdown when its replica dies is tests/test_engine_process.py's never-orphaned cases).
-@pytest.mark.parametrize("signame,vlm_backend", [("SIGTERM", "transformers"), ("SIGINT-group", "transformers"),
-                                                 ("SIGTERM-group", "vllm")])
+# With the VLM on the transformers backend, whose decode thread must stop too. SIGTERM to the group (containers,
+# systemd) with the VLM on vLLM as shipped, where every process, vLLM's server included, gets the signal at once, is
+# tests/test_spec_swap.py's stop (after a reload, with two vLLM servers started); vLLM's own shutdown when its
+# replica dies is tests/test_engine_process.py's never-orphaned cases.
+@pytest.mark.parametrize("signame,vlm_backend", [("SIGTERM", "transformers"), ("SIGINT-group", "transformers")])
 def test_serve_stops_fast_and_clean(signame, vlm_backend, model_dir, tmp_path):
     """After /readyz and one chat answer (so the VLM's decoding has run), the signal makes ``chimera serve`` exit
     with code 0 within STOP_CEILING_S, print "shutting down", leave no process of its tree alive, and log no

@@ -2,8 +2,8 @@
 
 ``chimera serve`` runs as a subprocess with the cpu profile's VLM on vLLM (VLM only, as tests/test_cli_serve.py
 starts it) and no speculation; a client thread streams greedy chats (three texts and a rendered shape scene)
-with the openai SDK without pause; the profile file is rewritten with the EAGLE-3 head of ``conftest.smollm2_head``
-and the process gets SIGHUP. The reload deploys the changed VLM section (and the ingress, which holds the profile)
+with the openai SDK without pause; the profile file is rewritten with an EAGLE-3 head (``smollm2_head``, 8
+training steps) and the process gets SIGHUP. The reload deploys the changed VLM section (and the ingress, which holds the profile)
 with Ray Serve's ``max_surge_percent`` (100 by default without GPUs): the new VLM replica and its vLLM server start
 while the old one keeps answering, then the old one drains and stops. Every request must succeed, every answer be
 the no-speculation answer token for token, requests must have been answered while the reload ran (counted: those
@@ -17,6 +17,7 @@ Starts the Ray Serve stack and vLLM: run under the e2e lock (``flock /tmp/chimer
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -26,18 +27,49 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import yaml
 
 from grafting.train.synth import render, sample_scene
-from tests.conftest import SMOLLM2_HEAD_K, data_url, free_port
-from tests.test_cli_serve import STOP_CEILING_S, SERVING, _profile_arg, kill_serve, start_serve, wait_for_line
+from tests.conftest import data_url, free_port
+from tests.test_cli_serve import (STOP_CEILING_S, SERVING, UNCLEAN, _profile_arg, _tree, kill_serve, start_serve,
+                                  wait_for_line)
 
 pytestmark = pytest.mark.vllm  # besides e2e (conftest.SERVICE_FILES): it starts vLLM servers too
 
 RELOADED = "reload done"
 MAX_TOKENS = 24
 AFTER_SWAP = 4  # chats answered after the reload, so that the new replica (with the head) answers some
+
+
+HEAD_K = 3  # draft tokens the head below is trained for (ttt_steps) and served with
+
+
+@pytest.fixture(scope="module")
+def smollm2_head(tmp_path_factory, model_dir) -> Path:
+    """An EAGLE-3 head (its folder) for the cpu profile's LLM (SmolLM2-135M, ``<model_dir>/vlm/llm``) trained by
+    ``chimera speculator train``'s worker (``core.spec.runner.train_head``) for 8 steps on six text prompts (two
+    held out), :data:`HEAD_K` draft tokens: its acceptance is not the point, its serving is. About 30 s on 2 quiet
+    cores."""
+    from core.quant.prompts import PromptSet, write_prompts
+    from core.smollm2 import SMOLLM2_DIR, smollm2_tokenizer
+    from core.spec.runner import train_head
+    from tests.tiny_llama import chat_ids
+
+    texts = ["What is a cat?", "Name a colour.", "Tell me about rivers.", "What is 2 plus 2?", "Describe the sea.",
+             "Why do dogs bark?"]
+    heldout = ["Why is the sky blue?", "Count to three."]
+    root = tmp_path_factory.mktemp("spec_smollm2")
+    tok = smollm2_tokenizer(model_dir)
+    sets = {"train": PromptSet("train", "six text prompts", [chat_ids(tok, t) for t in texts]),
+            "chat": PromptSet("heldout", "two text prompts", [chat_ids(tok, t) for t in heldout])}
+    spec = {"verifier": str(model_dir / SMOLLM2_DIR), "out": str(root / "head"),
+            "prompts": str(write_prompts(root / "prompts.safetensors", sets)), "layer_ids": None,
+            "answer_tokens": 24, "draft_vocab": 1024, "steps": 8, "lr": 3e-3, "ttt_steps": HEAD_K,
+            "pack_tokens": 512, "batch": 4, "seed": 0, "threads": 2}
+    train_head(spec, root / "spec.json", echo=lambda _line: None)
+    return root / "head"
 
 
 def _chats() -> list[list[dict]]:
@@ -111,7 +143,8 @@ def swap(tmp_path: Path, head: Path, surge: int | None = None, threads: int = 2)
     is done and ``AFTER_SWAP`` more chats are answered, stop the service with SIGTERM. Returns ``reference`` (the
     answers before), ``done`` (:class:`Traffic`'s), ``during`` (chats answered between the SIGHUP and the
     reload's end), ``drafts_before``/``drafts_after`` (``/metrics``), ``started_s``, ``swap_s``, ``rc`` (the exit
-    code) and ``log``. The measurement behind docs/operations/speculator.md (``surge=0`` for the comparison)."""
+    code after SIGTERM to the process group, as containers and systemd stop it), ``alive`` (processes of its tree
+    left after the stop) and ``log``. The measurement behind docs/operations/speculator.md (``surge=0`` for the comparison)."""
     t0 = time.monotonic()
     data = yaml.safe_load(Path(_profile_arg("vllm", tmp_path)).read_text())
     assert data["vlm"]["engine"]["vllm"]["speculative"] is None
@@ -124,6 +157,8 @@ def swap(tmp_path: Path, head: Path, surge: int | None = None, threads: int = 2)
         base = f"http://127.0.0.1:{port}"
         wait_for_line(proc, log_path, SERVING)
         out = {"started_s": time.monotonic() - t0}
+        # issue 24: "Chimera is serving" waits for /readyz, i.e. for the vLLM server, not only the replicas
+        assert httpx.get(f"{base}/readyz", timeout=30).status_code == 200, log_path.read_text()[-3000:]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         chats = _chats()
         out["reference"] = [_ask(client, m) for m in chats]  # no speculation
@@ -132,7 +167,7 @@ def swap(tmp_path: Path, head: Path, surge: int | None = None, threads: int = 2)
         traffic.start()
         traffic.wait_for(2, proc)  # requests flow before the swap
         data["vlm"]["engine"]["vllm"]["speculative"] = {"method": "eagle3", "model": str(head),
-                                                       "num_speculative_tokens": SMOLLM2_HEAD_K}
+                                                       "num_speculative_tokens": HEAD_K}
         path.write_text(yaml.safe_dump(data))
         before = traffic.count()
         t_hup = time.monotonic()
@@ -144,8 +179,10 @@ def swap(tmp_path: Path, head: Path, surge: int | None = None, threads: int = 2)
         traffic.stop()
         out["done"] = list(traffic.done)
         out["drafts_after"] = _drafts(base)
-        proc.send_signal(signal.SIGTERM)
+        tree = _tree(proc.pid)  # Ray's processes and both vLLM servers' process groups included
+        os.killpg(proc.pid, signal.SIGTERM)
         out["rc"] = proc.wait(STOP_CEILING_S)
+        out["alive"] = psutil.wait_procs(tree[1:], timeout=STOP_CEILING_S)[1]
         out["log"] = log_path.read_text()
         return out
     finally:
@@ -154,8 +191,9 @@ def swap(tmp_path: Path, head: Path, surge: int | None = None, threads: int = 2)
 
 def test_sighup_swaps_in_an_eagle3_head_without_dropping_requests(model_dir, smollm2_head, tmp_path):
     """With the default surge (100 % without GPUs): no failed chat, every answer the no-speculation one, chats
-    answered during the reload, the new replica drafts, and the service still stops cleanly."""
-    r = swap(tmp_path, smollm2_head[0], threads=1)  # one chat always in flight; the cores go to the new server
+    answered during the reload, the new replica drafts, and the service still stops cleanly on SIGTERM to its
+    process group (tests/test_cli_serve.py's clean-stop checks; the only case of them with the VLM on vLLM)."""
+    r = swap(tmp_path, smollm2_head, threads=1)  # one chat always in flight; the cores go to the new server
     failed = [d for d in r["done"] if d[2] is not None]
     print(f"\nstart {r['started_s']:.0f} s; swap {r['swap_s']:.0f} s; {len(r['done'])} chats, {r['during']} "
           f"answered during the swap, {len(failed)} failed")
@@ -165,7 +203,11 @@ def test_sighup_swaps_in_an_eagle3_head_without_dropping_requests(model_dir, smo
     assert r["during"] >= 2, r["during"]  # the old replica answered while the new one started
     assert [d[1] for d in r["done"]] == [r["reference"][d[0]] for d in r["done"]]
     assert r["drafts_before"] == 0 and r["drafts_after"] > 0  # the new replica serves with the head
-    assert r["rc"] == 0
+    # the stop of tests/test_cli_serve.py's cases, here with the VLM on vLLM after a reload: exit 0, nothing of
+    # the tree left, no wait that ran out
+    assert r["rc"] == 0 and "shutting down" in r["log"]
+    assert r["alive"] == [], [(p.pid, p.name()) for p in r["alive"]]
+    assert not any(w in r["log"].lower() for w in UNCLEAN), r["log"][-3000:]
     at = r["log"].find("Traceback")
     assert at < 0, r["log"][max(0, at - 500):at + 4000]
 

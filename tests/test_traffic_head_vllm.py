@@ -22,14 +22,18 @@ def test_a_head_trained_on_captured_image_chats_is_served_losslessly(profile, mo
     ids and embeddings the service sent; ``chimera speculator train --traffic`` trains a head (2 steps) whose
     report counts the captured image prompts as a training set of their own; the cpu profile's VLM on vLLM serves
     that head (``vlm.engine.vllm.speculative``), which drafts, and answers the four chats with the same greedy
-    tokens as the in-process backend did when they were captured."""
+    tokens as the in-process backend did when they were captured. SmolLM2's table has no row for vLLM's
+    mixed-prompt marker id 49152, so the worker writes the head with a table of its own (49,216 rows), which vLLM
+    keeps apart from the target's."""
     import asyncio
 
     import httpx
     import openai
     from typer.testing import CliRunner
 
+    from core.smollm2 import SMOLLM2_DIR
     from core.spec.record import read_record
+    from core.vllm_marker import embeds_marker, head_embed_rows
     from grafting.image_cache import image_keys
     from grafting.train.quant_prompts import vlm_prompt_sets
     from services.api.app import build_app
@@ -105,6 +109,8 @@ def test_a_head_trained_on_captured_image_chats_is_served_losslessly(profile, mo
     assert r.exit_code == 0, r.output
     assert f"traffic: 1 text and 3 image conversations from {path}; 0 with images skipped" in r.output
     record = read_record(tmp_path / "head")
+    assert embeds_marker(model_dir / SMOLLM2_DIR) == (49152, 49152)  # no row of SmolLM2's table: the head has one
+    assert head_embed_rows(tmp_path / "head") == record["embed_rows"] == 49216
     assert {n: (s["role"], s["prompts"]) for n, s in record["sets"].items()} == {
         "traffic_text": ("train", 1), "traffic_image": ("train", 3), "scene": ("heldout", 1), "chat": ("heldout", 1)}
     assert record["acceptance"]["traffic_image"]["drafts"] > 0
@@ -135,5 +141,7 @@ def test_a_head_trained_on_captured_image_chats_is_served_losslessly(profile, mo
         metrics = httpx.get(f"{served_dep.server.base_url}/metrics", timeout=10).text
         counters = spec_counters(metrics)
         assert counters is not None and counters["drafts"] > 0, metrics[-2000:]
+        # the head's own embedding table (SmolLM2's has no row for the mixed-prompt marker id; core.vllm_marker)
+        assert "Detected EAGLE model with distinct embed_tokens weights" in served_dep.server.log_tail(200_000)
     finally:
         served_dep.engine.close()
