@@ -23,23 +23,25 @@ class EngineDeployment:
     :class:`core.vllm_client.VLLMClient`); both are None when the model runs in this process. Engine counters come
     from the engine's ``stats()`` (its client's), never from here.
 
-    Subclasses call :meth:`_start_engine` from ``__init__`` (and :meth:`_hold_until_ready` when their
-    ``hold_until_ready`` argument is set). ``ready()`` is the engine's readiness (False while
-    its server is down), ``check_health()`` raises once the server has given up so that Ray replaces the replica,
-    and ``__del__`` closes the engine, then stops the server."""
+    Subclasses call :meth:`_start_engine` from ``__init__``, passing on their ``hold_until_ready`` argument.
+    ``ready()`` is the engine's readiness (False while its server is down), ``check_health()`` raises once the
+    server has given up so that Ray replaces the replica, and ``__del__`` closes the engine, then stops the
+    server."""
 
     engine: Any = None
     server: Any = None
     llm_client: Any = None
 
     def _start_engine(self, engine_cfg: Any, model_dir: str, needs_process: bool, build: Callable[[Any], Any],
-                      torch_threads: int | None):
+                      torch_threads: int | None, hold_until_ready: bool = False):
         """Start the vLLM server for ``engine_cfg`` when ``needs_process`` (what the family's backend module says;
         see :func:`services.engines.vllm_server.start_vllm_for`), then ``self.engine = build(llm_client)`` (None
-        when no process was started). A failing ``build`` stops the server it was given before re-raising, so no
+        when no process was started), then, with ``hold_until_ready`` (a replica replacing another in a reload),
+        :meth:`_hold_until_ready`. A failing ``build`` stops the server it was given before re-raising, so no
         process outlives a replica that never started. ``torch_threads`` (if set) caps this process's torch
         intra-op threads. Raises what ``start_vllm_for`` or ``build`` raise (OSError for a missing checkpoint,
-        ValueError for a bad configuration, RuntimeError for a server that will not start)."""
+        ValueError for a bad configuration, RuntimeError for a server that will not start) and
+        :meth:`_hold_until_ready`'s RuntimeError."""
         if torch_threads:
             import torch
 
@@ -55,6 +57,8 @@ class EngineDeployment:
             if self.server is not None:
                 self.server.stop()
             raise
+        if hold_until_ready:
+            self._hold_until_ready()
 
     def _hold_until_ready(self) -> None:
         """Return only once the engine answers (at once without an engine process; with one, when its server is

@@ -31,9 +31,7 @@ class Deployment(EngineDeployment):
         cfg = FamilySection[TTSConfig].model_validate(section)
         self._start_engine(cfg.engine, model_dir, needs_engine_process(cfg.engine.backend),
                            lambda client: TTSEngine.from_config(cfg.engine, model_dir, lm_client=client),
-                           cfg.deployment.torch_threads)
-        if hold_until_ready:  # a replica replacing another in a reload (EngineDeployment._hold_until_ready)
-            self._hold_until_ready()
+                           cfg.deployment.torch_threads, hold_until_ready)
         self.running = 0  # syntheses whose worker thread is alive
         self._count_lock = threading.Lock()
 

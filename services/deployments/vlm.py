@@ -42,9 +42,8 @@ class Deployment(EngineDeployment):
         cfg = FamilySection[VLMConfig].model_validate(section)
         self._start_engine(cfg.engine, model_dir, needs_engine_process(cfg.engine.backend),
                            lambda client: VLMEngine.from_config(cfg.engine, model_dir, backend=cfg.engine.backend,
-                                                                llm_client=client), cfg.deployment.torch_threads)
-        if hold_until_ready:  # a replica replacing another in a reload (EngineDeployment._hold_until_ready)
-            self._hold_until_ready()
+                                                                llm_client=client), cfg.deployment.torch_threads,
+                           hold_until_ready)
         self.token_bytes = TokenBytes(self.engine.tokenizer)  # logprob ``bytes`` of a token id
         self.traffic = None  # the traffic dataset's writer (grafting.traffic), when the profile turns capture on
         capture = cfg.engine.traffic_capture
