@@ -71,13 +71,16 @@ def start_serve(profile: str, port: int, log_path: Path) -> subprocess.Popen:
 
 
 def wait_for_line(proc: subprocess.Popen, log_path: Path, line: str, ceiling_s: float = READY_CEILING_S) -> str:
-    """Wait until ``line`` is in the log of ``proc`` (:func:`start_serve`); returns the log. Fails when the
-    process exits first or after ``ceiling_s`` (a hang)."""
+    """Wait until a line of the log of ``proc`` (:func:`start_serve`) starts with ``line``; returns the log. Fails
+    when the process exits first or after ``ceiling_s`` (a hang). Only a line's start counts: a traceback quotes
+    the source around the failing call, ``typer.echo(f"Chimera is serving ...")`` included."""
     deadline = time.monotonic() + ceiling_s
-    while line not in (text := log_path.read_text()):
+    while True:
+        text = log_path.read_text()
+        if any(s.startswith(line) for s in text.splitlines()):
+            return text
         assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
         time.sleep(0.5)
-    return text
 
 
 def kill_serve(proc: subprocess.Popen) -> None:

@@ -322,6 +322,25 @@ def test_a_taken_port_costs_one_failed_start_then_another_port_serves(spec):
             s.stop()
 
 
+def test_free_ports_stay_out_of_the_ephemeral_range_and_ray_worker_ports(monkeypatch):
+    """Stop 39's CI: the service's HTTP port, picked by ``bind(0)`` from the kernel's ephemeral range, was taken by
+    one of Ray's outgoing connections before the proxy bound it. Ports now come from the gap between Ray's worker
+    ports and that range, are free (a bind succeeds), and a range too small for the gap falls back to the OS's
+    pick."""
+    import socket
+
+    from services.engines import process
+
+    ephemeral = process._ephemeral_ports()
+    ports = {process.free_port() for _ in range(50)}
+    assert all(process.RAY_WORKER_PORTS.stop <= p < ephemeral.start for p in ports), sorted(ports)
+    assert len(ports) > 40  # at random over some 12,000 ports, not one port again and again
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+    monkeypatch.setattr(process, "_ephemeral_ports", lambda: range(20500, 61000))  # a gap of 500 ports
+    assert process.free_port() in ephemeral  # the OS's pick, from its own ephemeral range
+
+
 def test_a_stop_during_a_spawn_kills_what_the_spawn_started(spec, monkeypatch):
     """Issue 24 item 11: ``stop()`` called while the supervisor thread is inside ``Popen`` (the process exists but
     is not yet in ``_proc``) must still end it; before, stop() found no process to kill, the spawn then stored it and

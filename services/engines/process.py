@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,8 +42,40 @@ PR_SET_PDEATHSIG = 1
 _LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
 
 
+# Ray's default worker ports (``ray start --min-worker-port/--max-worker-port``): a server port is not taken there.
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def _ephemeral_ports() -> range:
+    """The kernel's ephemeral port range (``/proc/sys/net/ipv4/ip_local_port_range``, Linux's default 32768-60999),
+    from which it picks the local port of every outgoing connection and of every ``bind(port 0)``."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    """A TCP port that is free on ``host`` right now, for a server that will bind it a moment later.
+
+    Picked at random between Ray's worker ports and the kernel's ephemeral range (:func:`_ephemeral_ports`), never
+    from the ephemeral range itself: there the kernel hands the port to the next outgoing connection or ``bind(0)``
+    of any process (Ray alone opens dozens of gRPC connections while a service starts), and the server's later
+    bind then fails (``Failed to bind to address '127.0.0.1:36535'``, seen in CI). Falls back to a port the OS picks
+    when that gap is under 1,000 ports (a host whose ephemeral range starts low). Raises OSError when no port
+    is free."""
+    ephemeral = _ephemeral_ports()
+    gap = range(RAY_WORKER_PORTS.stop, ephemeral.start)
+    rng = random.Random(os.urandom(8))  # not the global generator, which a seeded test would make repeat
+    candidates = [rng.choice(gap) for _ in range(64)] if len(gap) >= 1000 else []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use (or in TIME_WAIT): try the next
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
