@@ -122,6 +122,8 @@ def test_score_generated_counts_answers_and_the_one_word_format():
     assert res["format_obeyed"] == 0.5 and res["format_n"] == 2
     assert res["format_failures"] == [("shape?", "A circle.")]
     assert res["samples"][1] == ("colour?", "Green.", "Blue.")
+    assert res["confusion"] == {"colour": {"blue": {"green": 1}, "red": {"red": 1}}, "shape": {"circle": {"circle": 1}}}
+    assert score_generated([row("count", "word", "two", "Two")], ["Many."])["confusion"] == {"count": {"two": {"none": 1}}}
     with pytest.raises(ValueError, match="3 rows but 2 texts"):
         score_generated(rows, ["Red", "Blue"])
 

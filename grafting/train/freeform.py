@@ -85,13 +85,18 @@ def score_generated(rows: list[dict], texts: list[str]) -> dict:
     Returns ``{"accuracy": {qtype: acc}, "n": {qtype: n}, "correct": one bool per row in order (for paired
     comparisons, :func:`paired_difference`), "format_obeyed": acc over style-``word`` rows, "format_n",
     "format_failures": up to 10 ``(question, text)``, "samples": the first 10 ``(question, text, right
-    answer)``}``. Raises ValueError when ``rows`` and ``texts`` differ in length."""
+    answer)``, "confusion": ``{qtype: {right value: {value read (:func:`read_answer`, "none" when it names none or
+    several): n}}}`` over every row, e.g. which counts are taken for which}``. Raises ValueError when ``rows`` and
+    ``texts`` differ in length."""
     if len(rows) != len(texts):
         raise ValueError(f"{len(rows)} rows but {len(texts)} texts")
     hits, fmt, failures, samples, correct = defaultdict(list), [], [], [], []
+    confusion: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for row, text in zip(rows, texts):
         q = row["conversations"][0]["value"].replace("<image>", "").strip()
-        correct.append(read_answer(text, row["question_type"]) == row["answer_word"])
+        read = read_answer(text, row["question_type"])
+        confusion[row["question_type"]][row["answer_word"]][read or "none"] += 1
+        correct.append(read == row["answer_word"])
         hits[row["question_type"]].append(correct[-1])
         if row.get("style") == "word":
             fmt.append(one_word(text))
@@ -102,7 +107,9 @@ def score_generated(rows: list[dict], texts: list[str]) -> dict:
     return {"accuracy": {k: sum(v) / len(v) for k, v in sorted(hits.items())},
             "n": {k: len(v) for k, v in sorted(hits.items())}, "correct": correct,
             "format_obeyed": sum(fmt) / len(fmt) if fmt else None, "format_n": len(fmt),
-            "format_failures": failures, "samples": samples}
+            "format_failures": failures, "samples": samples,
+            "confusion": {t: {w: dict(sorted(c.items())) for w, c in sorted(by.items())}
+                          for t, by in sorted(confusion.items())}}
 
 
 def paired_difference(base: list[bool], other: list[bool]) -> dict:
