@@ -245,6 +245,8 @@ def test_edge_strips_override_headers_and_shapes_ray_errors():
 
 
 def test_ray_back_pressure_and_unavailable_become_429_and_503():
+    import ray.exceptions
+    import torch
     from ray.serve.exceptions import BackPressureError
 
     from services.api.errors import to_api_error
@@ -255,6 +257,12 @@ def test_ray_back_pressure_and_unavailable_become_429_and_503():
     err = to_api_error(BackPressureError(num_queued_requests=3, max_queued_requests=3, retry_after_s=7.2))
     assert err.headers["Retry-After"] == "7"
     assert to_api_error(ValueError("bad")).status == 400
+    # a replica's worker lost under the request (Ray's memory monitor kills it near the node's limit): 503, retry
+    for exc in (ray.exceptions.ActorDiedError(), ray.exceptions.RayActorError(), ray.exceptions.WorkerCrashedError(),
+                ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")):
+        err = to_api_error(exc)
+        assert (err.status, err.code, err.headers) == (503, "model_unavailable", {"Retry-After": "5"}), exc
+    assert to_api_error(torch.OutOfMemoryError("CUDA out of memory")).status == 500  # not Ray's: a model fault
     bug = to_api_error(KeyError("oops"))
     assert bug.status == 500 and bug.body()["error"]["type"] == "server_error"
 

@@ -49,9 +49,15 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Ray's errors for a replica's worker that died under a request (its memory monitor's kill included): the
+# engine's fault and passing, so 503 with Retry-After (Serve replaces the replica), not a 500
+RAY_WORKER_LOST = ("RayActorError", "WorkerCrashedError", "OutOfMemoryError", "NodeDiedError")
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception to an :class:`APIError` (ValueError and ``status_code`` carriers -> 4xx, Ray's
-    back-pressure -> 429, unavailable -> 503, the rest -> 500)."""
+    back-pressure -> 429, unavailable -> 503 (a deployment without replicas, or a replica's worker lost under the
+    request: :data:`RAY_WORKER_LOST`, Ray's own classes only), the rest -> 500)."""
     exc = unwrap(exc)
     if isinstance(exc, APIError):
         return exc
@@ -60,7 +66,10 @@ def to_api_error(exc: BaseException) -> APIError:
         retry = getattr(exc, "retry_after_s", None) or 2
         return APIError(429, "the model's queue is full; retry later", code="queue_full",
                         headers={"Retry-After": str(max(1, round(retry)))})
-    if name in ("DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError"):
+    if name in ("DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError") or (
+            name in RAY_WORKER_LOST and type(exc).__module__.startswith("ray.")):
+        if name in RAY_WORKER_LOST:
+            log.error("model unavailable: %s: %s", name, str(exc)[:300])
         return APIError(503, "the model is not available right now", code="model_unavailable",
                         headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
