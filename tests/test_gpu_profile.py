@@ -108,6 +108,36 @@ def test_cpu_profile_vllm_kv_caches_hold_their_batches_and_no_more_than_needed(m
     assert kv <= 64 << 20  # the speech LM: 512 B a token
 
 
+def test_a_float32_int8_engine_is_told_there_is_no_amx(model_dir):
+    """vLLM 0.32's CPU int8 linear takes its AMX kernel on AMX CPUs whatever the activations' dtype, and that kernel
+    refuses float32 ("expect A to be bfloat16 or half": the engine dies at its first request; seen on an Intel Xeon
+    with AMX, tests/test_quant_vllm.py). A quantized checkpoint served in float32 gets CHIMERA_ENGINE_NO_AMX=1, and
+    engine_site/sitecustomize.py then answers vLLM's ``torch.cpu._is_amx_tile_supported()`` with False; bf16 and
+    unquantized engines keep AMX."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.cpu
+
+    from services.engines.process import ENGINE_SITE
+    from services.engines.vllm_server import NO_AMX_ENV, server_spec
+
+    engine = load_profile("cpu").vlm.engine
+    assert engine.vllm.dtype in (None, "float32") and NO_AMX_ENV not in server_spec(engine, "llm").env
+    quantized = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"quantized": "q"})})
+    assert server_spec(quantized, "llm").env[NO_AMX_ENV] == "1"
+    bf16 = quantized.model_copy(update={"vllm": quantized.vllm.model_copy(update={"dtype": "bfloat16"})})
+    assert NO_AMX_ENV not in server_spec(bf16, "llm").env
+    probe = "import torch.cpu; print(torch.cpu._is_amx_tile_supported())"
+    for flag, want in (("1", "False"), (None, None)):
+        env = {k: v for k, v in os.environ.items() if k != NO_AMX_ENV} | {"PYTHONPATH": ENGINE_SITE}
+        if flag:
+            env[NO_AMX_ENV] = flag
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == (want or str(torch.cpu._is_amx_tile_supported()))  # unset: the CPU's answer
+
+
 # --- memory plan (services/config/memory_plan.py; model math in grafting/video/audio .memory) ---------------------------
 
 GB = 10**9  # GPU sizes as sold: "80 GB" (H100/A100) and "141 GB" (H200), in decimal bytes (74.5 / 131.3 GiB)

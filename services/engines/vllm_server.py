@@ -34,6 +34,7 @@ EAGLE_MARKER_REFUSAL = (
     "head again with `chimera speculator train` (it writes a table of its own with a row for that id), or use "
     "method ngram or none")
 VLLM_PYTHON_ENV = "CHIMERA_VLLM_PYTHON"  # the vLLM environment's interpreter; overrides the profile
+NO_AMX_ENV = "CHIMERA_ENGINE_NO_AMX"  # read by engine_site/sitecustomize.py (its own copy: it imports nothing of ours)
 
 
 def vllm_python(python: str) -> str:
@@ -97,6 +98,12 @@ def _spec(o: VLLMOptions, dtype: str, path: str, max_model_len: int, max_num_seq
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", **family_env}
     if o.cpu_threads is not None:  # share the host's cores: no pinning, a bounded OpenMP pool
         env.update(OMP_NUM_THREADS=str(o.cpu_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if o.quantized is not None and (o.dtype or dtype) == "float32":
+        # vLLM 0.32's CPU int8 linear picks its AMX kernel (int8_scaled_mm_with_quant) on AMX CPUs whatever the
+        # activations' dtype, and that kernel takes only bf16/fp16: a float32 model dies at its first request
+        # ("expect A to be bfloat16 or half"). Float32 cannot use AMX anyway, so the engine is told there is none
+        # and runs oneDNN's int8 GEMM, as on every CPU without AMX (engine_site/sitecustomize.py).
+        env[NO_AMX_ENV] = "1"
     return ServerSpec(python=python, module=VLLM_MODULE, args=args + list(o.extra_args), env=env,
                       startup_timeout_s=o.startup_timeout_s)
 

@@ -1,4 +1,5 @@
-"""Imported at start-up by every Python process of a supervised engine server: its parent-death watch.
+"""Imported at start-up by every Python process of a supervised engine server: its parent-death watch, and the
+AMX switch of a float32 int8 engine (``CHIMERA_ENGINE_NO_AMX``, at the end).
 
 :class:`services.engines.process.ServerProcess` puts this folder first on the engine's ``PYTHONPATH``, and
 :mod:`services.engines.guard` sets ``CHIMERA_ENGINE_DIE_WITH_PARENT=1`` for the command it runs, so the engine server and every
@@ -58,3 +59,13 @@ if os.environ.get("CHIMERA_ENGINE_DIE_WITH_PARENT") == "1" \
         and "multiprocessing.resource_tracker" not in " ".join(getattr(sys, "orig_argv", [])):
     threading.Thread(target=_watch, args=(_parent(),), name="engine-parent-watch", daemon=True).start()
     os.environ[PARENT_ENV] = str(os.getpid())  # for the processes this one spawns
+
+
+NO_AMX_ENV = "CHIMERA_ENGINE_NO_AMX"  # set by services.engines.vllm_server for a float32 int8 checkpoint
+
+if os.environ.get(NO_AMX_ENV) == "1":
+    # torch.cpu._is_amx_tile_supported() is what vLLM's CPU kernels ask at each choice; the AMX kernels need bf16
+    # or fp16 activations, so for a float32 engine "no AMX" picks the kernels it can run (oneDNN int8, vec attention)
+    import torch.cpu
+
+    torch.cpu._is_amx_tile_supported = lambda: False
