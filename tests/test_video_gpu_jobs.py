@@ -117,6 +117,21 @@ def test_ready_means_a_worker_holds_its_engine(ray_cluster, profile, model_dir, 
     ray.kill(dep.manager, no_restart=True)
 
 
+def _kill_for_good(ray, manager, timeout_s: float = 60.0) -> None:
+    """``ray.kill(manager, no_restart=True)`` and wait until the actor is dead (a call raises RayActorError): the
+    kill is asynchronous, and a call sent before it lands is still answered by the old actor (seen once: the
+    read below then kept the old handle). A state, not a time; bounded."""
+    ray.kill(manager, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(manager.ping.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed manager still answers"
+        time.sleep(0.05)
+
+
 def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_dir, tmp_path):
     """The video deployment's manager (Deployment, outside Serve). Killed with restart (as a crash would): the
     next API call works on the restarted manager and the job that was running is failed ``interrupted``, its
@@ -139,11 +154,11 @@ def test_killed_manager_is_restarted_and_reacquired(ray_cluster, profile, model_
     assert _gone(rec["worker_pid"]), "the running job's worker outlived the manager"
 
     first = dep.manager
-    ray.kill(first, no_restart=True)
+    _kill_for_good(ray, first)
     assert asyncio.run(dep.get(job))["status"] == "failed"  # a read: re-acquired, asked again
     assert dep.manager._actor_id != first._actor_id
 
-    ray.kill(dep.manager, no_restart=True)
+    _kill_for_good(ray, dep.manager)
     with pytest.raises(ManagerUnavailableError) as e:  # a write on a dead handle: not repeated
         asyncio.run(dep.create({"prompt": "a blue kite", "num_inference_steps": 2}))
     err = to_api_error(e.value)  # what the API answers
