@@ -116,8 +116,6 @@ def test_new_image_goes_to_the_least_loaded_and_a_full_holder_is_bypassed(handle
         holder = handle.chat_stream.remote(_req("photo-a")).result()["replica"]
         busy = [handle.chat_stream.remote(_req("photo-a", "routing-gate"))]  # the holder: 1 of 2 slots taken
         _wait_arrivals(gate, 1)
-        new = handle.chat_stream.remote(_req("photo-b")).result()
-        assert new["replica"] != holder and not new["hit"]  # a new image: the least loaded replica
         again = handle.chat_stream.remote(_req("photo-a")).result()
         assert again["replica"] == holder and again["hit"]  # the holder still has a free slot
         # Fill the holder: its 2 slots held at the gate. Ray Serve's router picks among the ranked replicas with a
@@ -130,6 +128,12 @@ def test_new_image_goes_to_the_least_loaded_and_a_full_holder_is_bypassed(handle
             _wait_arrivals(gate, len(busy))
         bypass = handle.chat_stream.remote(_req("photo-a")).result()
         assert bypass["replica"] != holder  # no capacity there (a full replica rejects): the other one
+        # A new image goes to the least loaded replica: with the holder full, the other one. (Not asserted with the
+        # holder at 1 of 2: Serve picks the lowest queue length among the replicas it has a fresh cached length for
+        # and probes the others only in the background, so a holder at 1 wins over an idle replica whose entry
+        # expired; seen on a slow run.)
+        new = handle.chat_stream.remote(_req("photo-b")).result()
+        assert new["replica"] != holder and not new["hit"]
         ray.get(gate.open.remote())
         assert [b.result()["replica"] for b in busy].count(holder) == 2
         # both replicas hold photo-a now; photo-b still goes where it was cached

@@ -76,8 +76,10 @@ class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     ``choose_replicas`` returns ranks: first the replicas that were sent the most of the request's image keys,
     then all others; Serve takes the least loaded replica of the first rank that has a free slot (queue length
-    below ``max_ongoing_requests``, probed when its cached value is missing or full) and falls through to the
-    next rank otherwise. Without known keys there is one rank, all replicas: the least loaded wins.
+    below ``max_ongoing_requests``) and falls through to the next rank otherwise. "Least loaded" is Serve's view:
+    the lowest cached queue length among the rank's replicas that have a fresh entry; replicas without one (or
+    full) are probed only when none has one, else in the background, so an idle replica whose entry expired can
+    lose to a busier one. Without known keys there is one rank, all replicas: the least loaded wins.
     ``routed_by_affinity`` / ``routed_by_load`` count the decisions (this process's router only).
     """
 
