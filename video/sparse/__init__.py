@@ -60,7 +60,7 @@ from .flex import make_block_mask
 from .gather import compact_block_attention, gathered_block_attention
 from .layout import Grid, TileLayout, block_locality, tile_ids, tile_layout
 from .processor import SparseState, WanSparseAttnProcessor
-from .select import select_blocks
+from .select import pool_blocks, rank_blocks, select_blocks
 
 __all__ = [
     "KERNELS",
@@ -78,6 +78,8 @@ __all__ = [
     "cpu_kernel",
     "gathered_block_attention",
     "make_block_mask",
+    "pool_blocks",
+    "rank_blocks",
     "select_blocks",
     "sparse_attention",
     "tile_ids",

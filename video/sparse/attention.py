@@ -1,7 +1,7 @@
 """`block_sparse_attention`: tiled, block-sparse self-attention, a drop-in for `F.scaled_dot_product_attention`.
 
-Tiles the tokens (`layout`), picks the kept blocks (`select`), and runs one of two backends with the same mask
-and result: "flex" (`flex`, the CUDA default) or "gather" (`gather`, the CPU default).
+Tiles the tokens (`layout`), picks the kept blocks (`select`; on the CPU the block centroids are pooled straight
+from the untiled tokens), and runs one of two backends with the same mask and result: "flex" (`flex`, the CUDA default) or "gather" (`gather`, the CPU default).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from .flex import _flex, make_block_mask
 from .gather import compact_block_attention
 from .layout import Grid, tile_layout
-from .select import select_blocks
+from .select import pool_blocks, rank_blocks, select_blocks
 
 
 def block_sparse_attention(
@@ -57,15 +57,20 @@ def block_sparse_attention(
     layout = tile_layout(tuple(grid), tuple(tile))
     bs, nb = layout.block_size, layout.n_blocks
     valid = layout.valid.to(query.device)
-    q, k = (layout.to_tiles(x) for x in (query, key))
     forced_cols = torch.arange(nb, device=query.device) < layout.first_frame_blocks
-    indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid, zero_padding=True)
+    counts = valid.view(nb, bs).sum(-1)
+    if query.is_cuda:  # centroids from the tiles flex reads anyway (index_add_ is not deterministic on CUDA)
+        q, k = (layout.to_tiles(x) for x in (query, key))
+        indices, n_keep = select_blocks(q, k, bs, sparsity, forced_cols, valid, zero_padding=True)
+    else:  # centroids in one pass over the untiled tokens (no tiled copy; the CPU backend never tiles)
+        block_of_token = layout.inv // bs
+        indices, n_keep = rank_blocks(pool_blocks(query, block_of_token, counts),
+                                      pool_blocks(key, block_of_token, counts), sparsity, forced_cols)
     if backend == "gather":  # straight from frame-major to the real tokens in tile order, and back
         real = layout.slots[layout.valid].to(query.device)  # frame-major token at each compact position
-        out = compact_block_attention(query.float(), key.float(), value.float(), valid.view(nb, bs).sum(-1),
-                                      indices, n_keep, min(layout.first_frame_blocks, n_keep), order=real,
-                                      cache=layout.cache)
+        out = compact_block_attention(query.float(), key.float(), value.float(), counts, indices, n_keep,
+                                      min(layout.first_frame_blocks, n_keep), order=real, cache=layout.cache)
         return out.to(query.dtype)
     mask = make_block_mask(indices, n_keep, valid, bs)
-    return layout.from_tiles(_flex(compiled)(q, k, layout.to_tiles(value), block_mask=mask))
-
+    q, k, v = (layout.to_tiles(x) for x in (query, key, value))
+    return layout.from_tiles(_flex(compiled)(q, k, v, block_mask=mask))

@@ -33,8 +33,9 @@ def compact_block_attention(
 
     Block b holds the tokens order[starts[b] : starts[b] + counts[b]] (starts = exclusive cumsum of counts; with
     `order` None, rows starts[b] : ... of the inputs): no padding anywhere, so no mask is needed and padding costs
-    nothing. Strided inputs (e.g. transposed [B, N, H, D] projections) are read where they lie: one gather each of q
-    (scaled in place), k and v into tile order, by an index cached in `cache`. Two parts, merged exactly through
+    nothing. Strided inputs (e.g. transposed [B, N, H, D] projections) are read where they lie: one gather of q
+    (scaled in place) into tile order, by an index cached in `cache`, and the key/value buffers below gathered
+    straight from the inputs' rows. Two parts, merged exactly through
     their log-sum-exps (out = lerp(out_var, out_shared, sigmoid(lse_shared - lse_var))), the idea of
     FlashAttention's blockwise softmax (Dao et al. 2022, arXiv:2205.14135) and of Sparse VideoGen's sink/rest split
     (arXiv:2502.01776):
@@ -95,10 +96,10 @@ def compact_block_attention(
         if not n_var:
             return out_s
 
-    # One element per (head, query block): its query rows against the keys of its variable kept blocks. q, k, v
-    # are first put in tile order, one contiguous [N, D] run per head (one gather each; the index is cached per
-    # layout): a block's queries are then a slice, its outputs land in a slice, and the key gathers read runs of
-    # neighbouring rows. Query blocks of a head are paired by how many variable keys they share (`_pair_blocks`);
+    # One element per (head, query block): its query rows against the keys of its variable kept blocks. q is
+    # first put in tile order, one contiguous [N, D] run per head (one gather; the index is cached per layout): a
+    # block's queries are then a slice and its outputs land in a slice; the key and value gathers read the inputs'
+    # rows where they lie, in runs of neighbouring rows. Query blocks of a head are paired by how many variable keys they share (`_pair_blocks`);
     # a pair's keys are gathered once, ordered [only A's | both | only B's], so that A's keys are the buffer's
     # head and B's its tail, each contiguous, and B reads the shared ones from cache.
     plan = _tile_plan(cache, order, counts, query, key, value)
@@ -107,12 +108,13 @@ def compact_block_attention(
     ub = torch.tensor(union_blocks, dtype=torch.int64)
     ub_head = torch.tensor([p[0] for p in pairs], dtype=torch.int64).repeat_interleave(
         torch.tensor([p[3] for p in pairs], dtype=torch.int64))
-    k_idx = _ranges(ub_head * N + plan.starts[ub], plan.counts[ub]).to(dev)  # rows of the tile-order k and v
+    tile_rows = _ranges(ub_head * N + plan.starts[ub], plan.counts[ub]).to(dev)  # tile-order rows of the buffers
+    # the buffers are gathered straight from the inputs' rows (no tile-order copy of k and v)
+    k_idx, v_idx = plan.rows["k"][tile_rows], plan.rows["v"][tile_rows]
     out_t = None if kernel == "flash" and D == Dv else query.new_empty(BH * N, Dv)
     # [BH * N, D], tile order; scaled for `_attend_rows`'s base-2 scores on "bmm", for `_attend` otherwise
     qt = torch.index_select(_rows_of(query), 0, plan.rows["q"]).mul_(scale if out_t is None else scale * LOG2E)
-    kt = torch.index_select(_rows_of(key), 0, plan.rows["k"])
-    vt = kt if value is key else torch.index_select(_rows_of(value), 0, plan.rows["v"])
+    k_rows, v_rows = _rows_of(key), _rows_of(value)
 
     lse_t = query.new_empty(BH * N)
     max_keys = max(p[2] for p in pairs)
@@ -123,8 +125,8 @@ def compact_block_attention(
     total = query.new_empty(max(cnt))
     k0 = 0
     for h, first, n_union, _, n_elems in pairs:
-        kb = torch.index_select(kt, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
-        vb = torch.index_select(vt, 0, k_idx[k0:k0 + n_union], out=v_buf[:n_union])
+        kb = torch.index_select(k_rows, 0, k_idx[k0:k0 + n_union], out=k_buf[:n_union])
+        vb = torch.index_select(v_rows, 0, v_idx[k0:k0 + n_union], out=v_buf[:n_union])
         k0 += n_union
         for e in range(first, first + n_elems):
             _, b, off, n = spans[e]

@@ -69,15 +69,39 @@ def select_blocks(
         x = x.float() if zero_padding else x.float() * weight[:, None]
         return x.view(B, H, nb, block_size, D).sum(-2) / counts
 
-    pooled_q, pooled_k = pooled(query), pooled(key)
+    return rank_blocks(pooled(query), pooled(key), sparsity, forced_cols)
+
+
+def pool_blocks(x: torch.Tensor, block_of_token: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each block's mean query or key (the centroids `rank_blocks` scores), straight from untiled tokens.
+
+    x: [B, H, N, D] (any float dtype, any strides), tokens in any order; block_of_token: int64 [N], the block of
+    each token (`TileLayout.inv // block_size`); counts: [n_blocks] tokens per block (each >= 1). Returns float32
+    [B, H, n_blocks, D]. One scatter-add pass over x: no tiled copy of it (what `select_blocks` pools from).
+    """
+    B, H, _, D = x.shape
+    sums = torch.zeros(B, H, counts.numel(), D, dtype=torch.float32, device=x.device)
+    sums.index_add_(2, block_of_token.to(x.device), x.float())
+    return sums / counts.to(device=x.device, dtype=torch.float32)[:, None]
+
+
+def rank_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor, sparsity: float,
+                forced_cols: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The kept key blocks per query block and head from block centroids (`select_blocks`' ranking step).
+
+    pooled_q, pooled_k: float [B, H, n_blocks, D] (`pool_blocks`); sparsity and forced_cols as in
+    `select_blocks`, whose return value this is. Raises ValueError if `sparsity` is outside (0, 1].
+    """
+    if not 0.0 < sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in (0, 1], got {sparsity}")
+    B, H, nb, _ = pooled_q.shape
     score = pooled_q @ pooled_k.transpose(-1, -2)  # [B, H, nb, nb]
 
-    forced = torch.eye(nb, dtype=torch.bool, device=query.device)
+    forced = torch.eye(nb, dtype=torch.bool, device=pooled_q.device)
     if forced_cols is not None:
-        forced = forced | forced_cols.to(query.device)[None, :]
+        forced = forced | forced_cols.to(pooled_q.device)[None, :]
     n_keep = min(nb, max(round(sparsity * nb), int(forced.sum(-1).max())))
     score = score.masked_fill(forced, float("inf"))
     kept = score.topk(n_keep, dim=-1).indices.sort(dim=-1).values
     filler = torch.zeros(B, H, nb, nb - n_keep, dtype=kept.dtype, device=kept.device)
     return torch.cat([kept, filler], dim=-1).to(torch.int32), n_keep
-
