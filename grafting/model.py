@@ -115,7 +115,8 @@ class GraftedVLM(nn.Module):
         tower_device = next(self.tower.parameters()).device
         out = self.tower(pixel_values.to(tower_device, tower_dtype), grid_thw=image_grid_thw.to(tower_device))
         groups = out.pooler_output  # (N, 4, C)
-        proj = self.projector(groups.to(self.projector.device))
+        tokens = [int(t * h * w) // 4 for t, h, w in image_grid_thw.tolist()]  # 2x2 merge: one token per group
+        proj = self.projector(groups.to(self.projector.device), tokens)
         return proj.to(self.device, self.llm.get_input_embeddings().weight.dtype)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,

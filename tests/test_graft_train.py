@@ -29,13 +29,17 @@ def _batch(processor, rows):
     return collate([ds[i] for i in range(len(rows))], processor.tokenizer.pad_token_id)
 
 
-def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path):
+@pytest.mark.parametrize("image_context", [False, True])
+def test_only_the_projector_gets_gradients_and_changes(dirs, tmp_path, image_context):
+    """Also with the image-context projector (`projector_image_context`), whose extra map trains with the rest."""
     from grafting.train.data import read_jsonl
     from grafting.train.checkpoint import load_graft
     from grafting.train.loop import token_loss, trainable_parameters
 
     cfg = train_config(dirs, tmp_path / "run")
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"projector_image_context": image_context})})
     vlm, processor = load_graft(cfg.model)
+    assert (vlm.projector.context_proj is not None) == image_context
     before = {n: p.detach().clone() for n, p in vlm.named_parameters()}
     assert {id(p) for p in trainable_parameters(vlm)} == {id(p) for p in vlm.projector.parameters()}
     opt = torch.optim.AdamW(trainable_parameters(vlm), lr=1e-2)

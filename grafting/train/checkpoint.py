@@ -42,7 +42,7 @@ def load_graft(mc: GraftModelConfig, device: str | torch.device = "cpu", seed: i
         torch.manual_seed(seed)
         projector = GraftProjector(GraftProjectorConfig(
             vision_hidden_size=tower.config.hidden_size, merge_size=4, mid_size=mc.projector_mid_size,
-            llm_hidden_size=llm.config.hidden_size))
+            llm_hidden_size=llm.config.hidden_size, image_context=mc.projector_image_context))
     t = mc.image_tokens
     processor = GraftProcessor(tokenizer, image_processor, (t.start, t.image, t.end),
                                max_prompt_tokens=mc.max_prompt_tokens)

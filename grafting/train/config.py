@@ -19,7 +19,9 @@ from ..config import ImageTokens
 class GraftModelConfig(_Strict):
     """What is grafted: ``tower`` (MoonViT directory / hub id, or a full VLM checkpoint with
     ``tower_key_prefix``), ``llm`` (causal LM directory / hub id), the image placeholder tokens, the image size
-    cap in pixels, backbone dtypes, the projector's middle width and an optional projector to start from.
+    cap in pixels, backbone dtypes, the projector's middle width, whether each image token also sees its image's
+    mean (``projector_image_context``, :class:`~grafting.projector.GraftProjectorConfig`) and an optional projector
+    to start from.
     ``meta_llm_config``/``meta_tower_config``: config kwargs used only by ``--dry-run`` (no download)."""
 
     tower: str
@@ -31,6 +33,7 @@ class GraftModelConfig(_Strict):
     llm_dtype: str = Field("bfloat16", pattern=DTYPE_PATTERN)
     tower_dtype: str = Field("float32", pattern=DTYPE_PATTERN)
     projector_mid_size: int | None = None
+    projector_image_context: bool = False
     init_projector: str | None = None
     meta_llm_config: dict | None = None
     meta_tower_config: dict | None = None

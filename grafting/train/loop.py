@@ -209,7 +209,8 @@ def dry_run(cfg: TrainConfig) -> dict:
         tower = Kimi_K25VisionModel(tower_cfg)
         projector = GraftProjector(GraftProjectorConfig(vision_hidden_size=tower_cfg.hidden_size, merge_size=4,
                                                         mid_size=mc.projector_mid_size,
-                                                        llm_hidden_size=llm_cfg.hidden_size))
+                                                        llm_hidden_size=llm_cfg.hidden_size,
+                                                        image_context=mc.projector_image_context))
     vlm = GraftedVLM(tower, projector, llm, ImageTokenIds(-1, -2, -3, ("", "", "")))  # unused: no forward on meta
     vlm.freeze_backbones()
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
