@@ -216,3 +216,25 @@ def test_prepare_installs_the_shipped_graft_and_switches_back(profile, model_dir
     assert build.prepare(random_cfg, tmp_path) is True  # stale shipped folders are replaced
     assert not (tmp_path / cfg.tower / build.SHIPPED_MARKER).exists()
     assert VLMEngine.from_config(random_cfg, tmp_path).model.tower.config.hidden_size == cfg.build.tower.hidden_size
+
+
+def test_ninth_round_configs_differ_from_the_shipped_recipe_only_where_they_say():
+    """Issue 27's ninth round: the image-context projector and the 12,000-image data, each on the 3000- and the
+    4500-step tower; everything else is the shipped graft's recipe (configs/graft/cpu_conv_varied.yaml)."""
+    from grafting.train.config import TrainConfig
+
+    base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_varied.yaml")
+    for name, tower in (("cpu_conv_context", "grafting/assets/cpu_scenes/tower"),
+                        ("cpu_conv_context_t4500", "runs/i27_t4500"),
+                        ("cpu_conv_varied_12k", "grafting/assets/cpu_scenes/tower"),
+                        ("cpu_conv_varied_t4500_12k", "runs/i27_t4500")):
+        cfg = TrainConfig.from_yaml(REPO / f"configs/graft/{name}.yaml")
+        assert cfg.model.tower == tower and cfg.output_dir != base.output_dir
+        context = name.startswith("cpu_conv_context")
+        assert cfg.model.projector_image_context == context
+        stages = base.stages if context else [s.model_copy(update={"data": s.data.replace("runs/scenes/",
+                                                                                          "runs/scenes12k/")})
+                                              for s in base.stages]
+        assert cfg.stages == stages
+        model = cfg.model.model_copy(update={"tower": base.model.tower, "projector_image_context": False})
+        assert cfg.model_copy(update={"output_dir": base.output_dir, "model": model, "stages": base.stages}) == base
