@@ -1,7 +1,8 @@
 """`block_sparse_attention`: tiled, block-sparse self-attention, a drop-in for `F.scaled_dot_product_attention`.
 
 Tiles the tokens (`layout`), picks the kept blocks (`select`; on the CPU the block centroids are pooled straight
-from the untiled tokens), and runs one of two backends with the same mask and result: "flex" (`flex`, the CUDA default) or "gather" (`gather`, the CPU default).
+from the untiled tokens), and runs one of two backends with the same mask and result: "flex" (`flex`, the CUDA
+default) or "gather" (`gather`, the CPU default).
 """
 
 from __future__ import annotations

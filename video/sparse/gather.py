@@ -35,10 +35,9 @@ def compact_block_attention(
     `order` None, rows starts[b] : ... of the inputs): no padding anywhere, so no mask is needed and padding costs
     nothing. Strided inputs (e.g. transposed [B, N, H, D] projections) are read where they lie: one gather of q
     (scaled in place) into tile order, by an index cached in `cache`, and the key/value buffers below gathered
-    straight from the inputs' rows. Two parts, merged exactly through
-    their log-sum-exps (out = lerp(out_var, out_shared, sigmoid(lse_shared - lse_var))), the idea of
-    FlashAttention's blockwise softmax (Dao et al. 2022, arXiv:2205.14135) and of Sparse VideoGen's sink/rest split
-    (arXiv:2502.01776):
+    straight from the inputs' rows. Two parts, merged exactly through their log-sum-exps (out = lerp(out_var,
+    out_shared, sigmoid(lse_shared - lse_var))), the idea of FlashAttention's blockwise softmax (Dao et al. 2022,
+    arXiv:2205.14135) and of Sparse VideoGen's sink/rest split (arXiv:2502.01776):
     - shared: the `shared_blocks` leading key blocks every query block keeps (the first latent frame); all query
       rows of all heads attend to them in one call of the fused kernel (a dense [N x P] problem: its best tiles).
     - variable: the other kept blocks of each (head, query block). A head's query blocks are paired greedily by
@@ -99,9 +98,9 @@ def compact_block_attention(
     # One element per (head, query block): its query rows against the keys of its variable kept blocks. q is
     # first put in tile order, one contiguous [N, D] run per head (one gather; the index is cached per layout): a
     # block's queries are then a slice and its outputs land in a slice; the key and value gathers read the inputs'
-    # rows where they lie, in runs of neighbouring rows. Query blocks of a head are paired by how many variable keys they share (`_pair_blocks`);
-    # a pair's keys are gathered once, ordered [only A's | both | only B's], so that A's keys are the buffer's
-    # head and B's its tail, each contiguous, and B reads the shared ones from cache.
+    # rows where they lie, in runs of neighbouring rows. Query blocks of a head are paired by how many variable
+    # keys they share (`_pair_blocks`); a pair's keys are gathered once, ordered [only A's | both | only B's], so
+    # that A's keys are the buffer's head and B's its tail, each contiguous, and B reads the shared ones from cache.
     plan = _tile_plan(cache, order, counts, query, key, value)
     var = indices[..., shared_blocks:n_keep].reshape(BH, nb, n_var).long().cpu()
     pairs, union_blocks, spans = _pair_blocks(var, plan.counts)
