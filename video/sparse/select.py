@@ -77,7 +77,9 @@ def pool_blocks(x: torch.Tensor, block_of_token: torch.Tensor, counts: torch.Ten
 
     x: [B, H, N, D] (any float dtype, any strides), tokens in any order; block_of_token: int64 [N], the block of
     each token (`TileLayout.inv // block_size`); counts: [n_blocks] tokens per block (each >= 1). Returns float32
-    [B, H, n_blocks, D]. One scatter-add pass over x: no tiled copy of it (what `select_blocks` pools from).
+    [B, H, n_blocks, D]. One scatter-add pass over x: no tiled copy of it (what `select_blocks` pools from). The
+    centroids of VSA's coarse stage (arXiv:2505.13389). Raises (from `index_add_`) RuntimeError if block_of_token
+    does not hold N entries, IndexError if one is not below n_blocks.
     """
     B, H, _, D = x.shape
     sums = torch.zeros(B, H, counts.numel(), D, dtype=torch.float32, device=x.device)
@@ -87,7 +89,9 @@ def pool_blocks(x: torch.Tensor, block_of_token: torch.Tensor, counts: torch.Ten
 
 def rank_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor, sparsity: float,
                 forced_cols: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """The kept key blocks per query block and head from block centroids (`select_blocks`' ranking step).
+    """The kept key blocks per query block and head from block centroids (`select_blocks`' ranking step): top-k of
+    the pooled scores plus the diagonal and `forced_cols` (VSA, arXiv:2505.13389; Radial Attention, arXiv:2506.19852;
+    Sparse VideoGen, arXiv:2502.01776).
 
     pooled_q, pooled_k: float [B, H, n_blocks, D] (`pool_blocks`); sparsity and forced_cols as in
     `select_blocks`, whose return value this is. Raises ValueError if `sparsity` is outside (0, 1].
