@@ -17,6 +17,14 @@ from transformers import PreTrainedModel
 from .image_cache import ImageFeatureCache, cached_image_features, image_keys
 from .projector import GraftProjector
 
+MERGE = 4  # MoonViT's 2x2 patch merge: patches per LLM image token
+
+
+def image_token_counts(image_grid_thw: torch.Tensor) -> list[int]:
+    """LLM image tokens of each image: ``t * h * w / MERGE`` of its ``(t, h, w)`` patch grid (int64 ``(images, 3)``,
+    as ``Kimi_K25ImageProcessor`` makes it), in order (MoonViT's 2x2 patch merge, Kimi K2.5)."""
+    return (image_grid_thw.prod(-1) // MERGE).tolist()
+
 
 @dataclass(frozen=True)
 class ImageTokenIds:
@@ -115,8 +123,7 @@ class GraftedVLM(nn.Module):
         tower_device = next(self.tower.parameters()).device
         out = self.tower(pixel_values.to(tower_device, tower_dtype), grid_thw=image_grid_thw.to(tower_device))
         groups = out.pooler_output  # (N, 4, C)
-        tokens = [int(t * h * w) // 4 for t, h, w in image_grid_thw.tolist()]  # 2x2 merge: one token per group
-        proj = self.projector(groups.to(self.projector.device), tokens)
+        proj = self.projector(groups.to(self.projector.device), image_token_counts(image_grid_thw))
         return proj.to(self.device, self.llm.get_input_embeddings().weight.dtype)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,

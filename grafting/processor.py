@@ -22,7 +22,7 @@ from transformers.utils.chat_template_utils import encode_marked_chat, mark_cont
 from core.media import ImageInputError, load_image_url
 from core.validate import InputError, check_messages
 
-from .model import ImageTokenIds
+from .model import ImageTokenIds, image_token_counts
 
 ROLES = {"system", "developer", "user", "assistant"}
 # The message and content-part keys that are honoured. The chat template renders no other (OpenAI's ``name``,
@@ -99,7 +99,6 @@ class GraftProcessor:
         control = sorted((t.content for t in tokenizer.added_tokens_decoder.values()
                           if t.special or not t.content.isspace()), key=len, reverse=True)
         self._control_re = re.compile("|".join(map(re.escape, control)) or "(?!)")  # longest first; (?!): none
-        self.merge = 4
 
     # -- messages ---------------------------------------------------------------------------------
     def _check_text(self, text: Any, param: str) -> str:
@@ -227,7 +226,7 @@ class GraftProcessor:
             return self._finish(ids, None, None, 0, [])
         feats = self.image_processor(images=images, return_tensors="pt")
         grid = feats["image_grid_thw"]
-        per_image = (grid[:, 1] * grid[:, 2] // self.merge).tolist()
+        per_image = image_token_counts(grid)
         return self._finish(self._expand(ids, per_image), feats["pixel_values"], grid, sum(per_image), images)
 
     def _expand(self, ids: list[int], per_image: list[int]) -> list[int]:

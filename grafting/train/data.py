@@ -19,6 +19,7 @@ from PIL import Image
 
 from core.jsonl import jsonl_values
 
+from ..model import image_token_counts
 from ..processor import GraftProcessor
 
 IGNORE = -100
@@ -105,7 +106,7 @@ def encode(processor: GraftProcessor, messages: list[dict]) -> Encoded:
         return Encoded(torch.tensor(ids), torch.tensor(labels), None, None)
     feats = processor.image_processor(images=images, return_tensors="pt")
     grid = feats["image_grid_thw"]
-    per_image = (grid[:, 1] * grid[:, 2] // processor.merge).tolist()
+    per_image = image_token_counts(grid)
     t = processor.image_token_ids
     out_ids, out_labels, k = [], [], 0
     for tid, lab in zip(ids, labels):
