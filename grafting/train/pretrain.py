@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from ..config import TowerBuild
+from ..model import image_token_counts
 from ..tower import build_random_tower, build_tower_config, tower_class
 from .synth import COLOURS, COUNTS, POSITIONS, SHAPES, SIZES, render, sample_scene
 
@@ -92,7 +93,7 @@ class TowerClassifier(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
         """Logits per head, ``{name: (B, classes)}`` float (token heads ``(B, T, classes)``)."""
         groups = self.tower(pixel_values, grid_thw=grid).pooler_output  # (N, 4, C), images in order
-        per_image = (grid[:, 1] * grid[:, 2] // 4).tolist()
+        per_image = image_token_counts(grid)
         pooled = torch.stack([g.mean(dim=(0, 1)) for g in groups.split(per_image)])
         pooled = self.norm(pooled)
         out = {k: h(pooled) for k, h in self.heads.items()}
