@@ -75,9 +75,9 @@ class GraftProjector(PreTrainedModel):
         """``(N, merge, C)`` -> ``(N, llm_hidden)``, computed in the projector's dtype (keep it fp32 or bf16:
         fp16 overflows in the GELU MLP on real towers' activations).
 
-        ``tokens_per_image``: the LLM tokens of each packed image, in order (``grafting.model.image_token_counts``); needed
-        with ``image_context`` (each image's mean is taken over its own tokens only, so a packed batch gives every
-        image the rows it gets alone), ignored without it. Raises ValueError with ``image_context`` if it is
+        ``tokens_per_image``: the LLM tokens of each packed image, in order
+        (``grafting.model.image_token_counts``); needed with ``image_context`` (each image's mean is taken over its
+        own tokens only, so a packed batch gives every image the rows it gets alone), ignored without it. Raises ValueError with ``image_context`` if it is
         missing, or does not sum to N or holds a count below 1.
         """
         n = patch_groups.shape[0]
