@@ -77,8 +77,8 @@ class GraftProjector(PreTrainedModel):
 
         ``tokens_per_image``: the LLM tokens of each packed image, in order
         (``grafting.model.image_token_counts``); needed with ``image_context`` (each image's mean is taken over its
-        own tokens only, so a packed batch gives every image the rows it gets alone), ignored without it. Raises ValueError with ``image_context`` if it is
-        missing, or does not sum to N or holds a count below 1.
+        own tokens only, so a packed batch gives every image the rows it gets alone), ignored without it. Raises
+        ValueError with ``image_context`` if it is missing, or does not sum to N or holds a count below 1.
         """
         n = patch_groups.shape[0]
         x = self.pre_norm(patch_groups.to(self.pre_norm.weight.dtype))
