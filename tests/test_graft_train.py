@@ -219,14 +219,15 @@ def test_prepare_installs_the_shipped_graft_and_switches_back(profile, model_dir
 
 
 def test_ninth_round_configs_differ_from_the_shipped_recipe_only_where_they_say():
-    """Issue 27's ninth round: the image-context projector and the 12,000-image data, each on the 3000- and the
-    4500-step tower; everything else is the shipped graft's recipe (configs/graft/cpu_conv_varied.yaml)."""
+    """Issue 27's ninth round: the image-context projector and the 12,000-image data, each on the 3000-step tower
+    (its float16 copy, shipped until the tenth round) and the 4500-step one; everything else is arm (b)'s recipe
+    (configs/graft/cpu_conv_varied.yaml)."""
     from grafting.train.config import TrainConfig
 
     base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_varied.yaml")
-    for name, tower in (("cpu_conv_context", "grafting/assets/cpu_scenes/tower"),
+    for name, tower in (("cpu_conv_context", "runs/i27_tower16"),
                         ("cpu_conv_context_t4500", "runs/i27_t4500"),
-                        ("cpu_conv_varied_12k", "grafting/assets/cpu_scenes/tower"),
+                        ("cpu_conv_varied_12k", "runs/i27_tower16"),
                         ("cpu_conv_varied_t4500_12k", "runs/i27_t4500")):
         cfg = TrainConfig.from_yaml(REPO / f"configs/graft/{name}.yaml")
         assert cfg.model.tower == tower and cfg.output_dir != base.output_dir
