@@ -218,7 +218,7 @@ def test_prepare_installs_the_shipped_graft_and_switches_back(profile, model_dir
     assert VLMEngine.from_config(random_cfg, tmp_path).model.tower.config.hidden_size == cfg.build.tower.hidden_size
 
 
-def test_ninth_round_configs_differ_from_the_shipped_recipe_only_where_they_say():
+def test_ninth_round_configs_differ_from_arm_b_only_where_they_say():
     """Issue 27's ninth round: the image-context projector and the 12,000-image data, each on the 3000-step tower
     (its float16 copy, shipped until the tenth round) and the 4500-step one; everything else is arm (b)'s recipe
     (configs/graft/cpu_conv_varied.yaml)."""
