@@ -6,6 +6,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 
 from grafting.train import scenes as sc
@@ -169,6 +170,38 @@ def test_token_targets_mark_the_cells_an_object_covers():
         sc.token_targets(scene, canvas=100)
 
 
+def test_centre_targets_put_each_object_in_the_cell_of_its_centre():
+    # centres (42, 42) and (50, 30) share cell (1, 1) of the 4 x 4 grid of 28-px cells; (111, 0) is in the last
+    # column of the first row (cell 3), the canvas edge clamped into the grid
+    objs = [sc.Obj(42, 42, 12, 0.0, (40, 80, 215), 0), sc.Obj(50, 30, 12, 0.0, (40, 80, 215), 0),
+            sc.Obj(111, 0, 12, 0.0, (40, 80, 215), 0)]
+    want = [0] * 16
+    want[5], want[3] = 2, 1
+    assert sc.centre_targets(sc.Scene("blue", "square", 3, "light", objs)).tolist() == want
+    rng = random.Random(3)
+    for _ in range(50):  # every drawn scene: one centre per object
+        scene = sc.sample_scene(rng, "train")
+        assert int(sc.centre_targets(scene).sum()) == scene.count
+    with pytest.raises(ValueError, match="multiple"):
+        sc.centre_targets(scene, canvas=100)
+
+
+def test_density_targets_split_each_object_over_the_cells_it_covers():
+    # an axis-aligned 28-px square centred on the corner (56, 56) of four cells; PIL fills the closed polygon, pixels
+    # 42..70 (29 a side), so 14 of them fall in the first cell of each axis and 15 in the second
+    square = sc.Scene("blue", "square", 1, "light", [sc.Obj(56, 56, 28, 0.0, (40, 80, 215), 0)])
+    d = sc.density_targets(square)
+    assert d.dtype == np.float32 and d.shape == (16,)
+    assert np.allclose(d[[5, 6, 9, 10]], np.array([14 * 14, 14 * 15, 15 * 14, 15 * 15]) / 29**2, atol=1e-6)
+    assert d[[0, 1, 2, 3, 4, 7, 8, 11, 12, 13, 14, 15]].sum() == 0
+    rng = random.Random(4)
+    for _ in range(50):  # every drawn scene: the densities sum to the count (float32 rounding of <= 16 terms)
+        scene = sc.sample_scene(rng, "test")
+        assert abs(float(sc.density_targets(scene).sum()) - scene.count) < 1e-5
+    with pytest.raises(ValueError, match="multiple"):
+        sc.density_targets(square, canvas=100)
+
+
 def test_tower_pretraining_with_token_targets_reports_token_accuracy(tmp_path):
     from grafting.config import TowerBuild
     from grafting.train.pretrain import TOKEN_HEADS, PretrainTowerConfig, pretrain_tower
@@ -178,10 +211,20 @@ def test_tower_pretraining_with_token_targets_reports_token_accuracy(tmp_path):
     cfg = PretrainTowerConfig(tower=tiny, steps=2, batch_size=4, eval_images=8, source="scenes", token_weight=0.5)
     m = pretrain_tower(cfg, tmp_path, log=lambda s: None)
     acc = m["test_probe_accuracy"]
-    assert set(acc) == set(sc.TOWER_HEADS) | set(TOKEN_HEADS)
-    assert all(0.0 <= acc[k] <= 1.0 for k in TOKEN_HEADS)
+    assert set(acc) == set(sc.TOWER_HEADS) | {"token_shape", "token_colour"}
+    assert all(0.0 <= acc[k] <= 1.0 for k in ("token_shape", "token_colour"))
     with pytest.raises(ValueError, match="scenes"):
         pretrain_tower(cfg.model_copy(update={"source": "synth"}), tmp_path / "x", log=lambda s: None)
+    # the centre count target alone: its head, per-token accuracy over all 16 tokens, and whole-image counts
+    centre = cfg.model_copy(update={"token_weight": 0.0, "centre_weight": 1.0})
+    acc = pretrain_tower(centre, tmp_path / "c", log=lambda s: None)["test_probe_accuracy"]
+    assert set(acc) == set(sc.TOWER_HEADS) | {"token_centres", "centre_count"} and set(TOKEN_HEADS) > {"token_centres"}
+    assert all(0.0 <= acc[k] <= 1.0 for k in ("token_centres", "centre_count"))
+    with pytest.raises(ValueError, match="scenes"):
+        pretrain_tower(centre.model_copy(update={"source": "synth"}), tmp_path / "y", log=lambda s: None)
+    density = cfg.model_copy(update={"token_weight": 0.0, "density_weight": 1.0})
+    acc = pretrain_tower(density, tmp_path / "d", log=lambda s: None)["test_probe_accuracy"]
+    assert set(acc) == set(sc.TOWER_HEADS) | {"density_count"} and 0.0 <= acc["density_count"] <= 1.0
 
 
 def test_plateau_step_finds_where_a_curve_flattens():

@@ -54,6 +54,10 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        source: str = typer.Option("synth", help="synth (grafting.train.synth) or scenes "
                                                                 "(grafting.train.scenes)"),
                        token_weight: float = typer.Option(0.0, help="per-token shape/colour loss weight (scenes)"),
+                       centre_weight: float = typer.Option(0.0, help="per-token object-centre count loss weight "
+                                                                     "(scenes)"),
+                       density_weight: float = typer.Option(0.0, help="per-token object-area density loss weight "
+                                                                      "(scenes, mean squared error)"),
                        patch_stem: str = typer.Option("linear", help="linear (MoonViT's patch embedding) or conv "
                                                                      "(grafting.tower.MoonViTConvStem)"),
                        stem_channels: str = typer.Option("24,48,48", help="conv stem widths, comma list"),
@@ -73,7 +77,8 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                                                stem_strides=[int(c) for c in stem_strides.split(",")],
                                                stem_patch=stem_patch),
                               steps=steps, batch_size=batch_size, lr=lr, seed=seed, split=split, init=init,
-                              source=source, token_weight=token_weight)
+                              source=source, token_weight=token_weight, centre_weight=centre_weight,
+                              density_weight=density_weight)
     m = pretrain_tower(cfg, out, log=typer.echo)
     typer.echo(json.dumps({"test_probe_accuracy": m["test_probe_accuracy"], "seconds": round(m["seconds"], 1)}))
 

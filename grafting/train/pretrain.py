@@ -7,7 +7,9 @@ trained here as a plain multi-task classifier (colour, shape, count, size, posit
 merged patch features), then saved and frozen. The heads are thrown away; grafting never updates the tower.
 With ``source: scenes`` and ``token_weight > 0`` every merged token also gets dense targets
 (:func:`grafting.train.scenes.token_targets`: background or the object's shape / colour under it), since the
-projector reads the tokens, not their mean. Seeded and deterministic on one thread (same seed, same weights).
+projector reads the tokens, not their mean; with ``centre_weight > 0`` every merged token also learns how many object
+centres it holds (:func:`grafting.train.scenes.centre_targets`), and with ``density_weight > 0`` what share of the
+objects' area it holds (:func:`grafting.train.scenes.density_targets`, regressed): per-region count targets. Seeded and deterministic on one thread (same seed, same weights).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class PretrainTowerConfig(BaseModel):
     split drawn from (``pretrain``: broad; ``train``: the graft's training ranges; with ``source: scenes`` the
     :mod:`grafting.train.scenes` train split, whatever ``split`` says, and its
     :data:`~grafting.train.scenes.TOWER_HEADS`) an optional tower folder to continue from (``init``; its sizes win
-    over ``tower``) and the weight of the per-token shape and colour losses (``token_weight``; scenes only, 0 = off)."""
+    over ``tower``), the weight of the per-token shape and colour losses (``token_weight``; scenes only, 0 = off) and
+    of the per-token object-centre count loss (``centre_weight``) and density loss (``density_weight``, mean squared
+    error; both scenes only, 0 = off)."""
 
     model_config = ConfigDict(extra="forbid")
     tower: TowerBuild = TowerBuild(hidden_size=192, num_hidden_layers=3, num_attention_heads=4,
@@ -56,6 +60,17 @@ class PretrainTowerConfig(BaseModel):
     init: str | None = None
     source: str = Field("synth", pattern="^(synth|scenes)$")
     token_weight: float = Field(0.0, ge=0.0)
+    centre_weight: float = Field(0.0, ge=0.0)
+    density_weight: float = Field(0.0, ge=0.0)
+
+    def token_heads(self) -> tuple[str, ...]:
+        """The :data:`TOKEN_HEADS` this config trains (those whose weight is above 0)."""
+        return (("token_shape", "token_colour") if self.token_weight else ()) + \
+            (("token_centres",) if self.centre_weight else ()) + (("token_density",) if self.density_weight else ())
+
+    def token_loss_weight(self, head: str) -> float:
+        """The loss weight of one of :data:`TOKEN_HEADS`."""
+        return {"token_centres": self.centre_weight, "token_density": self.density_weight}.get(head, self.token_weight)
 
 
 def _labels(scenes) -> dict[str, torch.Tensor]:
@@ -71,24 +86,26 @@ def heads_of(source: str) -> dict[str, list]:
     return HEADS
 
 
-TOKEN_HEADS = {"token_shape": 1 + 3, "token_colour": 1 + 4}  # background + grafting.train.scenes SHAPES / COLOURS
+# background + grafting.train.scenes SHAPES / COLOURS; centres: 0..max(grafting.train.scenes COUNTS) per token
+# density: one regressed value per token
+TOKEN_HEADS = {"token_shape": 1 + 3, "token_colour": 1 + 4, "token_centres": 1 + 3, "token_density": 1}
 
 
 class TowerClassifier(nn.Module):
-    """The tower plus one linear head per attribute on the mean of its merged patch features, and with
-    ``token_heads`` the :data:`TOKEN_HEADS` on each merged token (the mean of its 2x2 patches).
+    """The tower plus one linear head per attribute on the mean of its merged patch features, and the named
+    ``token_heads`` (of :data:`TOKEN_HEADS`) on each merged token (the mean of its 2x2 patches).
 
     forward(pixel_values ``(P, 3, 14, 14)`` float, grid ``(B, 3)`` long) -> ``{head: (B, classes)}`` logits,
     token heads ``(B, T, classes)`` (T merged tokens per image; every image of a batch the same size)."""
 
-    def __init__(self, tower: nn.Module, heads: dict[str, list] = HEADS, token_heads: bool = False):
+    def __init__(self, tower: nn.Module, heads: dict[str, list] = HEADS, token_heads: tuple[str, ...] = ()):
         super().__init__()
         self.tower = tower
         c = tower.config.hidden_size
         self.norm = nn.LayerNorm(c)
         self.heads = nn.ModuleDict({k: nn.Linear(c, len(v)) for k, v in heads.items()})
         self.token_norm = nn.LayerNorm(c) if token_heads else None
-        self.token_heads = nn.ModuleDict({k: nn.Linear(c, n) for k, n in TOKEN_HEADS.items()} if token_heads else {})
+        self.token_heads = nn.ModuleDict({k: nn.Linear(c, TOKEN_HEADS[k]) for k in token_heads})
 
     def forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
         """Logits per head, ``{name: (B, classes)}`` float (token heads ``(B, T, classes)``)."""
@@ -114,6 +131,8 @@ def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, sourc
         dense = [sc.token_targets(s, canvas) for s in drawn]
         labels["token_shape"] = torch.from_numpy(np.stack([d[0] for d in dense]))
         labels["token_colour"] = torch.from_numpy(np.stack([d[1] for d in dense]))
+        labels["token_centres"] = torch.from_numpy(np.stack([sc.centre_targets(s, canvas) for s in drawn]))
+        labels["token_density"] = torch.from_numpy(np.stack([sc.density_targets(s, canvas) for s in drawn]))
     else:
         drawn = [sample_scene(rng, split, canvas) for _ in range(n)]
         images, labels = [render(s, split, canvas) for s in drawn], _labels(drawn)
@@ -124,29 +143,46 @@ def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, sourc
 @torch.no_grad()
 def probe_accuracy(model: TowerClassifier, processor, cfg: PretrainTowerConfig, split: str = "test") -> dict:
     """Head accuracy on ``cfg.eval_images`` fresh images of ``split`` (test: drawn differently, held-out pairs;
-    with ``source: scenes`` the held-out renderings); token heads: accuracy over the tokens an object covers."""
+    with ``source: scenes`` the held-out renderings); token shape and colour heads: accuracy over the tokens an
+    object covers; ``token_centres``: accuracy over all tokens, and ``centre_count``: the share of images whose
+    per-token centre counts (argmax) sum to the scene's count; ``density_count``: the share whose per-token
+    densities sum, rounded, to it."""
     model.eval()
     rng = random.Random(cfg.seed + 7)
     correct = {k: 0 for k in [*model.heads, *model.token_heads]}
-    object_tokens = 0
+    counts = {"token_centres": "centre_count", "token_density": "density_count"}  # whole-image count from tokens
+    correct.update({counts[k]: 0 for k in counts if k in model.token_heads})
+    correct.pop("token_density", None)
+    object_tokens = all_tokens = 0
     for start in range(0, cfg.eval_images, 64):
         pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas, cfg.source)
         out = model(pv, grid)
         for k in model.heads:
             correct[k] += int((out[k].argmax(-1) == labels[k]).sum())
-        on = labels["token_shape"] > 0 if model.token_heads else None
-        for k in model.token_heads:
-            correct[k] += int(((out[k].argmax(-1) == labels[k]) & on).sum())
-        object_tokens += int(on.sum()) if on is not None else 0
+        if not model.token_heads:
+            continue
+        on = labels["token_shape"] > 0
+        for k in model.token_heads.keys() - {"token_density"}:
+            hit = out[k].argmax(-1) == labels[k]
+            correct[k] += int((hit if k == "token_centres" else hit & on).sum())
+        if "token_centres" in model.token_heads:
+            counted = out["token_centres"].argmax(-1).sum(-1)
+            correct["centre_count"] += int((counted == labels["token_centres"].sum(-1)).sum())
+        if "token_density" in model.token_heads:
+            counted = out["token_density"].squeeze(-1).sum(-1).round()
+            correct["density_count"] += int((counted == labels["token_density"].sum(-1).round()).sum())
+        object_tokens += int(on.sum())
+        all_tokens += on.numel()
     model.train()
-    return {k: v / (object_tokens if k in TOKEN_HEADS else cfg.eval_images) for k, v in correct.items()}
+    per = {"token_shape": object_tokens, "token_colour": object_tokens, "token_centres": all_tokens}
+    return {k: v / per.get(k, cfg.eval_images) for k, v in correct.items()}
 
 
 def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> dict:
     """Train a seeded random MoonViT as a shape classifier and save it (``save_pretrained`` + the
     ``Kimi_K25ImageProcessor`` config) to ``out_dir``, with ``pretrain_metrics.json`` (loss curve and probe
-    accuracy on the test split). Returns the metrics. Raises ValueError for ``token_weight`` without
-    ``source: scenes``."""
+    accuracy on the test split). Returns the metrics. Raises ValueError for ``token_weight``, ``centre_weight`` or
+    ``density_weight`` without ``source: scenes``."""
     from transformers import Kimi_K25ImageProcessor, get_cosine_schedule_with_warmup
 
     t = cfg.tower
@@ -158,9 +194,10 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
                                                       t.patch_stem, t.stem_channels, t.stem_strides,
                                                       t.stem_patch), cfg.seed)
     torch.manual_seed(cfg.seed)
-    if cfg.token_weight and cfg.source != "scenes":
-        raise ValueError("token_weight needs source: scenes (token targets come from grafting.train.scenes)")
-    model = TowerClassifier(tower, heads_of(cfg.source), token_heads=cfg.token_weight > 0).train()
+    if cfg.token_heads() and cfg.source != "scenes":
+        raise ValueError("token_weight, centre_weight and density_weight need source: scenes (token targets come from "
+                         "grafting.train.scenes)")
+    model = TowerClassifier(tower, heads_of(cfg.source), token_heads=cfg.token_heads()).train()
     side = cfg.max_image_side // 14
     processor = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -172,7 +209,11 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
         out = model(pv, grid)
         loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in model.heads)
         for k in model.token_heads:
-            loss = loss + cfg.token_weight * nn.functional.cross_entropy(out[k].flatten(0, 1), labels[k].flatten())
+            if k == "token_density":
+                term = nn.functional.mse_loss(out[k].squeeze(-1), labels[k])
+            else:
+                term = nn.functional.cross_entropy(out[k].flatten(0, 1), labels[k].flatten())
+            loss = loss + cfg.token_loss_weight(k) * term
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -461,6 +461,46 @@ def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
     return shape, colour
 
 
+def centre_targets(scene: Scene, canvas: int = 112, cell: int = 28) -> np.ndarray:
+    """Per merged tower token (a ``cell`` x ``cell`` pixel square, row-major over the ``canvas // cell`` grid, as
+    in :func:`token_targets`), how many of the scene's object centres fall in it: int64 array of
+    ``(canvas // cell)**2``, values 0..``max(COUNTS)``, summing to ``scene.count``. A dense count target for tower
+    pretraining (:mod:`grafting.train.pretrain`, ``centre_weight``): objects become separate tokens' business, in
+    the spirit of centre heatmaps for counting and detection (Zhou et al. 2019, "Objects as Points",
+    arXiv:1904.07850). Raises ValueError when ``canvas`` is not a multiple of ``cell``."""
+    if canvas % cell:
+        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
+    g = canvas // cell
+    out = np.zeros(g * g, np.int64)
+    for o in scene.objects:
+        out[min(o.y // cell, g - 1) * g + min(o.x // cell, g - 1)] += 1
+    return out
+
+
+def density_targets(scene: Scene, canvas: int = 112, cell: int = 28) -> np.ndarray:
+    """Per merged tower token (a ``cell`` x ``cell`` pixel square, row-major over the ``canvas // cell`` grid, as
+    in :func:`token_targets`), the share of each object's drawn (filled) area that lies in it, summed over the
+    objects: float32 array of ``(canvas // cell)**2``, each value in [0, count], summing to ``scene.count`` (up to
+    float rounding). A density-map count target for tower pretraining (:mod:`grafting.train.pretrain`,
+    ``density_weight``; Lempitsky and Zisserman 2010, "Learning to count objects in images"): unlike a centre's
+    cell, it has no hard boundary to guess. Raises ValueError when ``canvas`` is not a multiple of ``cell``."""
+    if canvas % cell:
+        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
+    g = canvas // cell
+    out = np.zeros(g * g, np.float64)
+    for o in scene.objects:
+        mask = Image.new("L", (canvas, canvas), 0)
+        draw = ImageDraw.Draw(mask)
+        if scene.shape == "circle":
+            h = o.side / 2
+            draw.ellipse([o.x - h, o.y - h, o.x + h, o.y + h], fill=1)
+        else:
+            draw.polygon(_polygon(scene.shape, o), fill=1)
+        per_cell = np.asarray(mask, np.float64).reshape(g, cell, g, cell).sum(axis=(1, 3)).reshape(-1)
+        out += per_cell / per_cell.sum()
+    return out.astype(np.float32)
+
+
 TOWER_HEADS = {"colour": list(COLOURS), "shape": list(SHAPES), "count": list(COUNTS),
                "position": list(POSITIONS) + [None], "size": list(SIZE_WORDS) + [None], "outline": [False, True]}
 
