@@ -324,6 +324,15 @@ def _polygon(shape: str, o: Obj) -> list[tuple[float, float]]:
     return [(o.x + px * math.cos(a) - py * math.sin(a), o.y + px * math.sin(a) + py * math.cos(a)) for px, py in pts]
 
 
+def _fill(draw: ImageDraw.ImageDraw, shape: str, o: Obj, value: int) -> None:
+    """Draw object ``o`` filled with ``value`` (its whole area, even when it is rendered outlined)."""
+    if shape == "circle":
+        h = o.side / 2
+        draw.ellipse([o.x - h, o.y - h, o.x + h, o.y + h], fill=value)
+    else:
+        draw.polygon(_polygon(shape, o), fill=value)
+
+
 def render(scene: Scene, canvas: int = 112) -> Image.Image:
     """Draw a scene as a ``canvas`` x ``canvas`` RGB image (uint8), deterministic given ``scene.seed``."""
     rng = np.random.default_rng(scene.seed)
@@ -449,11 +458,7 @@ def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
     mask = Image.new("L", (canvas, canvas), 0)
     draw = ImageDraw.Draw(mask)
     for o in scene.objects:
-        if scene.shape == "circle":
-            h = o.side / 2
-            draw.ellipse([o.x - h, o.y - h, o.x + h, o.y + h], fill=255)
-        else:
-            draw.polygon(_polygon(scene.shape, o), fill=255)
+        _fill(draw, scene.shape, o, 255)
     g = canvas // cell
     on = (np.asarray(mask, np.float32).reshape(g, cell, g, cell).mean(axis=(1, 3)) / 255 >= min_cover).reshape(-1)
     shape = np.where(on, 1 + SHAPES.index(scene.shape), 0).astype(np.int64)
@@ -490,12 +495,7 @@ def density_targets(scene: Scene, canvas: int = 112, cell: int = 28) -> np.ndarr
     out = np.zeros(g * g, np.float64)
     for o in scene.objects:
         mask = Image.new("L", (canvas, canvas), 0)
-        draw = ImageDraw.Draw(mask)
-        if scene.shape == "circle":
-            h = o.side / 2
-            draw.ellipse([o.x - h, o.y - h, o.x + h, o.y + h], fill=1)
-        else:
-            draw.polygon(_polygon(scene.shape, o), fill=1)
+        _fill(ImageDraw.Draw(mask), scene.shape, o, 1)
         per_cell = np.asarray(mask, np.float64).reshape(g, cell, g, cell).sum(axis=(1, 3)).reshape(-1)
         out += per_cell / per_cell.sum()
     return out.astype(np.float32)
