@@ -7,9 +7,10 @@ trained here as a plain multi-task classifier (colour, shape, count, size, posit
 merged patch features), then saved and frozen. The heads are thrown away; grafting never updates the tower.
 With ``source: scenes`` and ``token_weight > 0`` every merged token also gets dense targets
 (:func:`grafting.train.scenes.token_targets`: background or the object's shape / colour under it), since the
-projector reads the tokens, not their mean; with ``centre_weight > 0`` every merged token also learns how many object
-centres it holds (:func:`grafting.train.scenes.centre_targets`), and with ``density_weight > 0`` what share of the
-objects' area it holds (:func:`grafting.train.scenes.density_targets`, regressed): per-region count targets. Seeded and deterministic on one thread (same seed, same weights).
+projector reads the tokens, not their mean; with ``centre_weight > 0`` every merged token also learns how many
+object centres it holds (:func:`grafting.train.scenes.centre_targets`), and with ``density_weight > 0`` what share
+of the objects' area it holds (:func:`grafting.train.scenes.density_targets`, regressed): per-region count
+targets. Seeded and deterministic on one thread (same seed, same weights).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class TowerClassifier(nn.Module):
         return out
 
 
-def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, source: str = "synth"):
+def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, source: str = "synth",
+           token_heads: tuple[str, ...] = ()):
     if source == "scenes":
         from . import scenes as sc
 
@@ -131,8 +133,9 @@ def _batch(processor, rng: random.Random, n: int, split: str, canvas: int, sourc
         dense = [sc.token_targets(s, canvas) for s in drawn]
         labels["token_shape"] = torch.from_numpy(np.stack([d[0] for d in dense]))
         labels["token_colour"] = torch.from_numpy(np.stack([d[1] for d in dense]))
-        labels["token_centres"] = torch.from_numpy(np.stack([sc.centre_targets(s, canvas) for s in drawn]))
-        labels["token_density"] = torch.from_numpy(np.stack([sc.density_targets(s, canvas) for s in drawn]))
+        for k, targets in (("token_centres", sc.centre_targets), ("token_density", sc.density_targets)):
+            if k in token_heads:  # drawn only for a head that trains on them
+                labels[k] = torch.from_numpy(np.stack([targets(s, canvas) for s in drawn]))
     else:
         drawn = [sample_scene(rng, split, canvas) for _ in range(n)]
         images, labels = [render(s, split, canvas) for s in drawn], _labels(drawn)
@@ -149,13 +152,13 @@ def probe_accuracy(model: TowerClassifier, processor, cfg: PretrainTowerConfig, 
     densities sum, rounded, to it."""
     model.eval()
     rng = random.Random(cfg.seed + 7)
-    correct = {k: 0 for k in [*model.heads, *model.token_heads]}
     counts = {"token_centres": "centre_count", "token_density": "density_count"}  # whole-image count from tokens
+    correct = {k: 0 for k in [*model.heads, *(model.token_heads.keys() - {"token_density"})]}
     correct.update({counts[k]: 0 for k in counts if k in model.token_heads})
-    correct.pop("token_density", None)
     object_tokens = all_tokens = 0
     for start in range(0, cfg.eval_images, 64):
-        pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas, cfg.source)
+        pv, grid, labels = _batch(processor, rng, min(64, cfg.eval_images - start), split, cfg.canvas, cfg.source,
+                                  tuple(model.token_heads))
         out = model(pv, grid)
         for k in model.heads:
             correct[k] += int((out[k].argmax(-1) == labels[k]).sum())
@@ -205,7 +208,7 @@ def pretrain_tower(cfg: PretrainTowerConfig, out_dir: str | Path, log=print) -> 
     rng = random.Random(cfg.seed)
     curve, t0 = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas, cfg.source)
+        pv, grid, labels = _batch(processor, rng, cfg.batch_size, cfg.split, cfg.canvas, cfg.source, cfg.token_heads())
         out = model(pv, grid)
         loss = sum(nn.functional.cross_entropy(out[k], labels[k]) for k in model.heads)
         for k in model.token_heads:

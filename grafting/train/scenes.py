@@ -445,6 +445,14 @@ def write_dataset(out_dir: str | Path, n_train: int = 3000, n_test: int = 300, s
             "test": _write(out / "test.jsonl", test)}
 
 
+def _token_grid(canvas: int, cell: int) -> int:
+    """Merged tokens per side of a ``canvas``-px scene with ``cell``-px tokens. Raises ValueError when ``canvas`` is
+    not a multiple of ``cell``."""
+    if canvas % cell:
+        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
+    return canvas // cell
+
+
 def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
                   min_cover: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
     """Per merged tower token (a ``cell`` x ``cell`` pixel square: two 14-px patches merged 2x2, row-major over the
@@ -453,13 +461,11 @@ def token_targets(scene: Scene, canvas: int = 112, cell: int = 28,
     filled, even when outlined) cover at least ``min_cover`` of the cell's pixels. Dense targets for tower
     pretraining (:mod:`grafting.train.pretrain`, ``token_weight``). Raises ValueError when ``canvas`` is not a
     multiple of ``cell``."""
-    if canvas % cell:
-        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
+    g = _token_grid(canvas, cell)
     mask = Image.new("L", (canvas, canvas), 0)
     draw = ImageDraw.Draw(mask)
     for o in scene.objects:
         _fill(draw, scene.shape, o, 255)
-    g = canvas // cell
     on = (np.asarray(mask, np.float32).reshape(g, cell, g, cell).mean(axis=(1, 3)) / 255 >= min_cover).reshape(-1)
     shape = np.where(on, 1 + SHAPES.index(scene.shape), 0).astype(np.int64)
     colour = np.where(on, 1 + list(COLOURS).index(scene.colour), 0).astype(np.int64)
@@ -473,9 +479,7 @@ def centre_targets(scene: Scene, canvas: int = 112, cell: int = 28) -> np.ndarra
     pretraining (:mod:`grafting.train.pretrain`, ``centre_weight``): objects become separate tokens' business, in
     the spirit of centre heatmaps for counting and detection (Zhou et al. 2019, "Objects as Points",
     arXiv:1904.07850). Raises ValueError when ``canvas`` is not a multiple of ``cell``."""
-    if canvas % cell:
-        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
-    g = canvas // cell
+    g = _token_grid(canvas, cell)
     out = np.zeros(g * g, np.int64)
     for o in scene.objects:
         out[min(o.y // cell, g - 1) * g + min(o.x // cell, g - 1)] += 1
@@ -489,9 +493,7 @@ def density_targets(scene: Scene, canvas: int = 112, cell: int = 28) -> np.ndarr
     float rounding). A density-map count target for tower pretraining (:mod:`grafting.train.pretrain`,
     ``density_weight``; Lempitsky and Zisserman 2010, "Learning to count objects in images"): unlike a centre's
     cell, it has no hard boundary to guess. Raises ValueError when ``canvas`` is not a multiple of ``cell``."""
-    if canvas % cell:
-        raise ValueError(f"canvas {canvas} is not a multiple of the token cell {cell}")
-    g = canvas // cell
+    g = _token_grid(canvas, cell)
     out = np.zeros(g * g, np.float64)
     for o in scene.objects:
         mask = Image.new("L", (canvas, canvas), 0)
