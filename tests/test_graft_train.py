@@ -239,3 +239,18 @@ def test_ninth_round_configs_differ_from_arm_b_only_where_they_say():
         assert cfg.stages == stages
         model = cfg.model.model_copy(update={"tower": base.model.tower, "projector_image_context": False})
         assert cfg.model_copy(update={"output_dir": base.output_dir, "model": model, "stages": base.stages}) == base
+
+
+def test_twelfth_round_config_differs_from_the_shipped_recipe_only_in_its_qa_steps():
+    """Issue 27's twelfth round: the shipped graft's recipe (configs/graft/cpu_conv_varied_t4500_12k.yaml) with a QA
+    stage of 1,500 steps of batch 8, so that it sees each of the 12,000 training records once; the same learning
+    rate, warm-up share and schedule (stretched), checkpoints every 100 steps instead of 50."""
+    from grafting.train.config import TrainConfig
+
+    base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_varied_t4500_12k.yaml")
+    cfg = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_varied_t4500_12k_all.yaml")
+    qa = [s for s in cfg.stages if s.name == "qa"]
+    assert len(qa) == 1 and qa[0].steps * cfg.optim.batch_size == 12_000
+    assert cfg.output_dir != base.output_dir and cfg.save_every == 100
+    stages = [s.model_copy(update={"steps": b.steps}) for s, b in zip(cfg.stages, base.stages)]
+    assert cfg.model_copy(update={"output_dir": base.output_dir, "stages": stages, "save_every": base.save_every}) == base
