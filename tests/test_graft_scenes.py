@@ -156,6 +156,22 @@ def test_tower_pretraining_on_scenes_runs_its_heads(tmp_path):
     assert (tmp_path / "pretrain_metrics.json").is_file()
 
 
+def test_pretrain_tower_cli_trains_on_the_canvas_it_is_given(tmp_path):
+    """``chimera graft pretrain-tower --canvas 224``: the scenes are drawn at 224 px (64 merged tokens a scene instead
+    of 112 px's 16), and the saved metrics record it; the default stays 112."""
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    args = ["graft", "pretrain-tower", "--source", "scenes", "--steps", "1", "--batch-size", "2", "--hidden-size",
+            "32", "--layers", "1", "--heads", "2", "--intermediate-size", "64"]
+    for canvas in (224, None):
+        out = tmp_path / str(canvas)
+        r = CliRunner().invoke(app, args + ["--out", str(out)] + (["--canvas", str(canvas)] if canvas else []))
+        assert r.exit_code == 0, r.output
+        assert json.loads((out / "pretrain_metrics.json").read_text())["config"]["canvas"] == (canvas or 112)
+
+
 def test_token_targets_mark_the_cells_an_object_covers():
     # a blue square over pixels 28..56 fills merged-token cell (1, 1) of the 4 x 4 grid (28-px cells); its last
     # pixel row and column reach 29 of the 784 pixels of each neighbour (3.7% < the 20% threshold)
