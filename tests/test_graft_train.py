@@ -254,3 +254,18 @@ def test_twelfth_round_config_differs_from_the_shipped_recipe_only_in_its_qa_ste
     assert cfg.output_dir != base.output_dir and cfg.save_every == 100
     stages = [s.model_copy(update={"steps": b.steps}) for s, b in zip(cfg.stages, base.stages)]
     assert cfg.model_copy(update={"output_dir": base.output_dir, "stages": stages, "save_every": base.save_every}) == base
+
+
+def test_224_px_config_differs_from_the_shipped_recipe_only_in_its_tower_and_scenes():
+    """Issue 27's 224-px round: the shipped graft's recipe on a tower trained on 224-px scenes (64 merged tokens a
+    scene) and the 224-px scenes written as the 112-px ones; nothing else changes."""
+    from grafting.train.config import TrainConfig
+
+    base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_varied_t4500_12k.yaml")
+    cfg = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k.yaml")
+    assert cfg.model.tower == "runs/i27_c224" and cfg.output_dir != base.output_dir
+    assert cfg.model.max_image_side == 224  # 224 / 14 = 16 patches a side, 2 x 2 merged: 8 x 8 tokens
+    assert cfg.stages == [s.model_copy(update={"data": s.data.replace("runs/scenes12k/", "runs/scenes224/")})
+                          for s in base.stages]
+    model = cfg.model.model_copy(update={"tower": base.model.tower})
+    assert cfg.model_copy(update={"output_dir": base.output_dir, "model": model, "stages": base.stages}) == base
