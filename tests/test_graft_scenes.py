@@ -157,8 +157,9 @@ def test_tower_pretraining_on_scenes_runs_its_heads(tmp_path):
 
 
 def test_pretrain_tower_cli_trains_on_the_canvas_it_is_given(tmp_path):
-    """``chimera graft pretrain-tower --canvas 224``: the scenes are drawn at 224 px (64 merged tokens a scene instead
-    of 112 px's 16), and the saved metrics record it; the default stays 112."""
+    """``chimera graft pretrain-tower --canvas 224`` pretrains on scenes drawn at 224 px (64 merged tokens a scene
+    instead of 112 px's 16): the saved config records it, the default stays 112, and a canvas under 28 px (one 2 x 2
+    merged token) is a usage error naming the option."""
     from typer.testing import CliRunner
 
     from services.cli import app
@@ -170,6 +171,8 @@ def test_pretrain_tower_cli_trains_on_the_canvas_it_is_given(tmp_path):
         r = CliRunner().invoke(app, args + ["--out", str(out)] + (["--canvas", str(canvas)] if canvas else []))
         assert r.exit_code == 0, r.output
         assert json.loads((out / "pretrain_metrics.json").read_text())["config"]["canvas"] == (canvas or 112)
+    r = CliRunner().invoke(app, args + ["--out", str(tmp_path / "small"), "--canvas", "14"])
+    assert r.exit_code == 2 and "--canvas" in r.output and not (tmp_path / "small").exists()
 
 
 def test_token_targets_mark_the_cells_an_object_covers():

@@ -63,7 +63,8 @@ def pretrain_tower_cmd(out: Path = typer.Option(..., help="folder for the tower 
                        stem_channels: str = typer.Option("24,48,48", help="conv stem widths, comma list"),
                        stem_strides: str = typer.Option("2,1,1", help="conv stem strides (1 or 2), comma list"),
                        stem_patch: int = typer.Option(14, help="conv stem: px each 14-px patch is resampled to"),
-                       canvas: int = typer.Option(112, help="scene side in px (224: 64 merged tokens a scene, 112: 16)")):
+                       canvas: int = typer.Option(112, min=28, help="scene side in px (224: 64 merged tokens a "
+                                                                 "scene, 112: 16)")):
     """Pretrain a small MoonViT on synthetic shape/colour classification (seeded), then save it frozen."""
     import torch
 
