@@ -270,3 +270,22 @@ def test_224_px_config_differs_from_the_shipped_recipe_only_in_its_tower_and_sce
                           for s in base.stages]
     model = cfg.model.model_copy(update={"tower": base.model.tower})
     assert cfg.model_copy(update={"output_dir": base.output_dir, "model": model, "stages": base.stages}) == base
+
+
+def test_count_request_stem_config_differs_from_the_224_px_recipe_only_in_its_scenes():
+    """Issue 27's fourteenth round: the 224-px recipe on scenes written with one more training count stem (the
+    polite-request form the other question types have; the command is in the config's header). The stem is not a
+    held-out one, and nothing but the data and the output directory changes."""
+    from grafting.train.config import TrainConfig
+    from grafting.train.scenes import STEMS
+
+    header = (REPO / "configs/graft/cpu_conv_c224_12k_cs.yaml").read_text()
+    stem = "Can you tell me how many {objs} there are?"
+    assert f'scenes.STEMS["count"]["train"].append("{stem}")' in header
+    assert stem not in STEMS["count"]["train"] and all(stem not in v["test"] for v in STEMS.values())
+    base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k.yaml")
+    cfg = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k_cs.yaml")
+    assert cfg.stages == [s.model_copy(update={"data": s.data.replace("runs/scenes224/", "runs/scenes224_cs/")})
+                          for s in base.stages]
+    assert cfg.output_dir != base.output_dir and cfg.model_copy(update={"output_dir": base.output_dir,
+                                                                       "stages": base.stages}) == base
