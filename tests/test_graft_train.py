@@ -289,3 +289,20 @@ def test_count_request_stem_config_differs_from_the_224_px_recipe_only_in_its_sc
                           for s in base.stages]
     assert cfg.output_dir != base.output_dir and cfg.model_copy(update={"output_dir": base.output_dir,
                                                                        "stages": base.stages}) == base
+
+
+def test_caption_replay_config_differs_from_the_224_px_recipe_only_in_its_qa_data():
+    """Issue 27's fifteenth round: the 224-px recipe whose QA stage replays every fourth caption record beside the
+    QA records (the file is written by the command in the config's header); the captions stage, the tower, the
+    optimizer and the seed are the recipe's, and the header's command names exactly the files the stage reads."""
+    from grafting.train.config import TrainConfig
+
+    header = (REPO / "configs/graft/cpu_conv_c224_12k_capmix.yaml").read_text()
+    assert ('open("runs/scenes224/qa_capmix.jsonl", "w").writelines(open("runs/scenes224/qa.jsonl").readlines() '
+            '+ lines[::4])') in header
+    base = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k.yaml")
+    cfg = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k_capmix.yaml")
+    assert [s.name for s in cfg.stages] == ["captions", "qa"] and cfg.stages[0] == base.stages[0]
+    assert cfg.stages[1] == base.stages[1].model_copy(update={"data": "runs/scenes224/qa_capmix.jsonl"})
+    assert cfg.output_dir != base.output_dir and cfg.model_copy(update={"output_dir": base.output_dir,
+                                                                       "stages": base.stages}) == base
