@@ -306,3 +306,22 @@ def test_caption_replay_config_differs_from_the_224_px_recipe_only_in_its_qa_dat
     assert cfg.stages[1] == base.stages[1].model_copy(update={"data": "runs/scenes224/qa_capmix.jsonl"})
     assert cfg.output_dir != base.output_dir and cfg.model_copy(update={"output_dir": base.output_dir,
                                                                        "stages": base.stages}) == base
+
+
+def test_the_selected_224_px_candidate_is_the_caption_replay_graft_exported_whole():
+    """Issue 27's fifteenth round selected the caption-replay graft on 450 validation scenes; its export
+    (`chimera graft export --checkpoint runs/graft/c224_12k_capmix/final --name cpu_scenes224`) is kept beside the
+    served `cpu_scenes` until the serving path moves to 224-px scenes: the conv-stem tower and a plain projector at
+    its final QA step, float16, reading the same LLM through the same image tokens as the served graft."""
+    assets = REPO / "grafting/assets"
+    cand = json.loads((assets / "cpu_scenes224/graft.json").read_text())
+    served = json.loads((assets / "cpu_scenes/graft.json").read_text())
+    assert (cand["max_image_side"], cand["step"], cand["stage"], cand["lora"], cand["exported_dtype"]) == (
+        224, 700, "qa", False, "float16")
+    assert {k: cand[k] for k in ("llm", "image_tokens", "tower", "projector")} == {
+        k: served[k] for k in ("llm", "image_tokens", "tower", "projector")}
+    tower = json.loads((assets / "cpu_scenes224/tower/config.json").read_text())
+    projector = json.loads((assets / "cpu_scenes224/projector/config.json").read_text())
+    assert tower["model_type"] == "moonvit_conv_stem" and tower["merge_kernel_size"] == [2, 2]
+    assert (projector["merge_size"], projector["image_context"]) == (4, False)
+    assert projector["vision_hidden_size"] == tower["hidden_size"]
