@@ -61,9 +61,9 @@ def ensure_checkpoint(ck_dir: Path, args_: list[str], name: str, rebuild: bool) 
 def scene_rows(n: int, tmp: Path) -> list[dict]:
     """``n`` held-out scene questions (rows of ``test.jsonl``, each with its image path resolved)."""
     from grafting.train.data import read_jsonl
-    from grafting.train.scenes import write_dataset
+    from grafting.train.scenes import SERVED_CANVAS, write_dataset
 
-    paths = write_dataset(tmp, n_train=0, n_test=max(1, n // 4) + 1, seed=7)
+    paths = write_dataset(tmp, n_train=0, n_test=max(1, n // 4) + 1, seed=7, canvas=SERVED_CANVAS)
     return read_jsonl(paths["test"])[:n]
 
 

@@ -308,18 +308,38 @@ def test_caption_replay_config_differs_from_the_224_px_recipe_only_in_its_qa_dat
                                                                        "stages": base.stages}) == base
 
 
-def test_the_selected_224_px_candidate_is_the_caption_replay_graft_exported_whole():
+def test_captions_only_arm_on_the_224_px_tower_matches_the_served_recipe_but_for_its_stages():
+    """Issue 27's curriculum table on the 224-px tower: arm (a) trains captions only for the 700 steps arm (b), the
+    served graft's recipe, spends on 60 caption + 640 QA steps; the same optimizer, seed, LLM and image tokens, on
+    the served graft's own tower (its float16 export, which the config names, so no tower rebuild is needed)."""
+    from grafting.train.config import TrainConfig
+
+    b = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k_capmix.yaml")
+    a = TrainConfig.from_yaml(REPO / "configs/graft/cpu_conv_c224_12k_captions_only.yaml")
+    assert [(s.name, s.data, s.steps) for s in a.stages] == [("captions", "runs/scenes224/captions.jsonl", 700)]
+    assert sum(s.steps for s in a.stages) == sum(s.steps for s in b.stages)
+    assert a.model.tower == "grafting/assets/cpu_scenes224/tower" and (REPO / a.model.tower / "config.json").exists()
+    assert a.output_dir != b.output_dir
+    assert a.model_copy(update={"output_dir": b.output_dir, "stages": b.stages,
+                                "model": a.model.model_copy(update={"tower": b.model.tower})}) == b
+
+
+def test_the_served_graft_is_the_selected_caption_replay_graft_exported_whole():
     """Issue 27's fifteenth round selected the caption-replay graft on 450 validation scenes; its export
-    (`chimera graft export --checkpoint runs/graft/c224_12k_capmix/final --name cpu_scenes224`) is kept beside the
-    served `cpu_scenes` until the serving path moves to 224-px scenes: the conv-stem tower and a plain projector at
-    its final QA step, float16, reading the same LLM through the same image tokens as the served graft."""
+    (`chimera graft export --checkpoint runs/graft/c224_12k_capmix/final --name cpu_scenes224`) is the graft the cpu
+    profile serves since the sixteenth round, replacing the 112-px `cpu_scenes`: the conv-stem tower and a plain projector at its
+    final QA step, float16, reading the profile's LLM through the profile's image tokens."""
+    from services.config.profiles import load_profile
+
     assets = REPO / "grafting/assets"
+    engine = load_profile("cpu").vlm.engine
+    assert engine.build.shipped_graft == "cpu_scenes224"
+    assert not (assets / "cpu_scenes").exists()  # the 112-px graft it replaced is in git history only (36a6479)
     cand = json.loads((assets / "cpu_scenes224/graft.json").read_text())
-    served = json.loads((assets / "cpu_scenes/graft.json").read_text())
     assert (cand["max_image_side"], cand["step"], cand["stage"], cand["lora"], cand["exported_dtype"]) == (
         224, 700, "qa", False, "float16")
-    assert {k: cand[k] for k in ("llm", "image_tokens", "tower", "projector")} == {
-        k: served[k] for k in ("llm", "image_tokens", "tower", "projector")}
+    assert (cand["llm"], cand["tower"], cand["projector"]) == (".chimera/models/cpu/vlm/llm", "tower", "projector")
+    assert cand["image_tokens"] == engine.image_tokens.model_dump()
     tower = json.loads((assets / "cpu_scenes224/tower/config.json").read_text())
     projector = json.loads((assets / "cpu_scenes224/projector/config.json").read_text())
     assert tower["model_type"] == "moonvit_conv_stem" and tower["merge_kernel_size"] == [2, 2]

@@ -25,7 +25,7 @@ TOP_LEVEL = {"audio", "configs", "core", "grafting", "services", "video"}
 DATA_FILES = ["configs/cpu.yaml", "configs/gpu.yaml", "configs/graft/cpu.yaml",
               "configs/published/THUDM/GLM-4-9B-0414/config.json", "configs/published/moonshotai/Kimi-K2.5/config.json",
               "services/api/static/index.html", "services/api/static/app.js", "services/engines/engine_site/sitecustomize.py",
-              "audio/vllm_ext/chimera_frame_constraint.py", "grafting/assets/cpu_scenes/graft.json"]
+              "audio/vllm_ext/chimera_frame_constraint.py", "grafting/assets/cpu_scenes224/graft.json"]
 
 
 @pytest.fixture(scope="module")

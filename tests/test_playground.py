@@ -31,10 +31,10 @@ WIDTHS = {"desktop": (1280, 800), "phone": (390, 844)}
 
 
 def red_circle_png() -> bytes:
-    """The README's image: one large red circle in the top right of a 112x112 white image (what the cpu graft
+    """The README's image: one large red circle in the top right of a 224x224 white image (what the cpu graft
     was trained on), as PNG bytes."""
-    img = Image.new("RGB", (112, 112), "white")
-    ImageDraw.Draw(img).ellipse([62, 6, 110, 54], fill=(215, 40, 40))
+    img = Image.new("RGB", (224, 224), "white")
+    ImageDraw.Draw(img).ellipse([124, 12, 220, 108], fill=(215, 40, 40))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()

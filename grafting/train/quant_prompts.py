@@ -24,7 +24,7 @@ from core.quant.prompts import PromptSet
 from ..config import VLMConfig
 from ..traffic import Traffic
 from .evaluate import TEXT_PROMPTS
-from .scenes import ask, render, sample_scene
+from .scenes import SERVED_CANVAS, ask, render, sample_scene
 
 SEARCH_CHAT_PROMPTS = [
     "What is the tallest mountain?", "Write a short poem about rain.", "What is 9 plus 16?",
@@ -62,9 +62,9 @@ def train_chat_prompts(n: int) -> list[str]:
 
 
 def _scene_messages(rng: random.Random, split: str) -> list[dict]:
-    scene = sample_scene(rng, split)
+    scene = sample_scene(rng, split, SERVED_CANVAS)
     q = ask(rng, scene, rng.choice(scene.question_types()), phrasing=split)
-    return [{"role": "user", "content": [{"type": "image", "image": render(scene)},
+    return [{"role": "user", "content": [{"type": "image", "image": render(scene, SERVED_CANVAS)},
                                          {"type": "text", "text": q["question"]}]}]
 
 

@@ -43,6 +43,10 @@ NUMBER_WORDS = {1: "one", 2: "two", 3: "three"}
 TRAIN_BACKGROUNDS = ("light", "dark", "noise", "photo")
 HELD_OUT_BACKGROUND = "gradient"
 HELD_OUT_SIZE = (0.40, 0.50)  # single-object side as a fraction of the canvas, never in training
+# Canvas side in pixels of the scenes the shipped cpu graft (grafting/assets/cpu_scenes224, issue 27) was trained
+# on: 64 merged image tokens a scene. Scenes sent to the served graft (quantization and speculator traffic, benches,
+# tests) are drawn at this size; the functions' default canvas (112) is that of the earlier rounds' data.
+SERVED_CANVAS = 224
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "brick", "grass", "gravel", "moon", "page",
           "text", "coins", "clock", "horse")
 QTYPES = ("colour", "shape", "count", "yesno", "multi", "position", "size")
