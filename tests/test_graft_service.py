@@ -24,8 +24,9 @@ def test_service_answers_colour_shape_and_count_of_held_out_renderings(openai_cl
     questions = (("What colour is the shape?", "colour"), ("What shape is shown?", "shape"),
                  ("How many shapes are there?", "count"))
     for s in scenes:
+        url = data_url(render(s, CANVAS))
         for question, qtype in questions:
-            msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(render(s, CANVAS))}},
+            msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": question}]}]
             r = openai_client.chat.completions.create(model="chimera-vlm", messages=msgs, max_tokens=6, temperature=0)
             answer = r.choices[0].message.content.strip()

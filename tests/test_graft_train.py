@@ -327,8 +327,8 @@ def test_captions_only_arm_on_the_224_px_tower_matches_the_served_recipe_but_for
 def test_the_served_graft_is_the_selected_caption_replay_graft_exported_whole():
     """Issue 27's fifteenth round selected the caption-replay graft on 450 validation scenes; its export
     (`chimera graft export --checkpoint runs/graft/c224_12k_capmix/final --name cpu_scenes224`) is the graft the cpu
-    profile serves since the sixteenth round, replacing the 112-px `cpu_scenes`: the conv-stem tower and a plain projector at its
-    final QA step, float16, reading the profile's LLM through the profile's image tokens."""
+    profile serves since the sixteenth round, replacing the 112-px `cpu_scenes`: the conv-stem tower and a plain
+    projector at its final QA step, float16, reading the profile's LLM through the profile's image tokens."""
     from services.config.profiles import load_profile
 
     assets = REPO / "grafting/assets"
