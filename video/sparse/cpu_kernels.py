@@ -34,8 +34,9 @@ def cpu_kernel() -> str:
     Returns "bmm" where ATen's CPU capability (`torch.backends.cpu.get_cpu_capability()`, which honours
     ATEN_CPU_CAPABILITY) is AVX2 or AVX512: measured faster on both (`bench/sparse_attention.py` times both kernels
     side by side and prints the CPU's model, flags and capability; at 16,380 tokens, 1 thread, thread CPU time, AMD
-    EPYC: 581 vs 621 ms on AVX512, 532 vs 563 ms with AVX2 emulated on the same CPU; docs/benchmarks.md). "flash" elsewhere (not
-    measured; the fused kernel is the portable choice). The shared first-frame part always runs on "flash" where the
+    EPYC (Zen 4): 473 vs 503 ms on AVX512, 484 vs 516 ms with AVX2 emulated on the same CPU; on an Intel Xeon: 300
+    vs 319 ms and 444 vs 479 ms; docs/benchmarks.md). "flash" elsewhere (not measured; the fused kernel is the
+    portable choice). The shared first-frame part always runs on "flash" where the
     value head dim equals the query's (a dense [N x P] problem, its best shape; faster than "bmm" on both ISAs). Both
     kernels are exact to fp32 rounding (tests/test_sparse_attention.py, against a float64 reference).
     """
@@ -111,9 +112,9 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     q [M, D] (already scaled by softmax scale * log2(e), `LOG2E`), k [L, D], v [L, Dv] float32 with a contiguous
     last dim; writes softmax(q k^T) v into out [M, Dv] and its natural-log log-sum-exp into lse [M] (both may be
-    slices of larger buffers). The scores are in log2 units, so exp2 gives exp(scale * q.k) up to float rounding, a change of
-    base (the FlashAttention-2 CUDA kernels' exp2 trick, Dao 2023, arXiv:2307.08691); ATen's exp2 is ~3x faster
-    than its exp on CPU (0.06 vs 0.19 ms for 128 x 1,632 scores, 1 thread, AVX512; both Sleef 1-ulp). scratch
+    slices of larger buffers). The scores are in log2 units, so exp2 gives exp(scale * q.k) up to float rounding, a
+    change of base (the FlashAttention-2 CUDA kernels' exp2 trick, Dao 2023, arXiv:2307.08691); ATen's exp2 is ~3x
+    faster than its exp on CPU (0.06 vs 0.19 ms for 128 x 1,632 scores, 1 thread, AVX512; both Sleef 1-ulp). scratch
     (>= M * L floats) and total (>= M floats): contiguous float32 work space. `bounded` as in `_attend` (the bound
     is on the natural-unit scores; exp2 of the log2-unit ones reaches the same values).
     """
