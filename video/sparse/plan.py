@@ -9,16 +9,24 @@ from dataclasses import dataclass
 import torch
 
 
+def _row_strides(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """x [B, H, N, D] (any strides) -> (x itself where its rows can be read in place, a contiguous copy otherwise;
+    the strides of its B, H, N dims in rows of D elements, 0 along dims of size 1). In place means: a contiguous
+    last dim and the other strides whole, non-negative multiples of D (e.g. transposed [B, N, H, D] views)."""
+    D = x.shape[-1]
+    strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    if (x.stride(-1) != 1 and D > 1) or any(s % D for s in strides[:3]) or min(strides[:3]) < 0:
+        x = x.contiguous()
+        strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
+    return x, tuple(s // D for s in strides[:3])
+
+
 def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, N, D] (any strides) -> (rows [R, D], a view of x's storage where possible (a copy otherwise),
     int64 [B * H, N]: the row of rows holding x[b, h, n]). Lets the gathers read transposed [B, N, H, D] views in
     place."""
     B, H, N, D = x.shape
-    strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
-    if (x.stride(-1) != 1 and D > 1) or any(s % D for s in strides[:3]) or min(strides[:3]) < 0:
-        x = x.contiguous()
-        strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
-    sb, sh, sn = (s // D for s in strides[:3])
+    x, (sb, sh, sn) = _row_strides(x)
     dev = x.device
     index = (torch.arange(B, device=dev)[:, None, None] * sb + torch.arange(H, device=dev)[None, :, None] * sh
              + torch.arange(N, device=dev)[None, None, :] * sn).view(B * H, N)
@@ -28,11 +36,8 @@ def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
     """The rows [R, D] of `_row_view(x)` without its index (the index depends only on shape and strides)."""
     B, H, N, D = x.shape
-    strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
-    if (x.stride(-1) != 1 and D > 1) or any(s % D for s in strides[:3]) or min(strides[:3]) < 0:
-        x = x.contiguous()
-        strides = [s if n > 1 else 0 for s, n in zip(x.stride(), x.shape)]
-    extent = sum((n - 1) * s // D for n, s in zip(x.shape[:3], strides[:3])) + 1
+    x, (sb, sh, sn) = _row_strides(x)
+    extent = (B - 1) * sb + (H - 1) * sh + (N - 1) * sn + 1
     return x.as_strided((extent, D), (D, 1))
 
 
