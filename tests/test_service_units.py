@@ -402,6 +402,36 @@ def test_json_object_refuses_strings_that_are_not_unicode(raw, param):
     err.body()["error"]["message"].encode("utf-8")  # the answer itself is valid UTF-8
 
 
+def test_parse_json_bounds_the_nesting_without_recursion():
+    """Defect: 100,000 nested arrays in a body were a 500 (RecursionError) on every JSON endpoint and dropped the
+    speech websocket. Nesting up to MAX_JSON_DEPTH parses; one level more, or nesting so deep that Python's parser
+    recurses out, is JSONTooDeep (a ValueError); malformed JSON is still json.JSONDecodeError; a key given twice
+    in one object is JSONDuplicateKey (a 400 ``duplicate_parameter`` naming it in a body), not last-wins."""
+    import json
+
+    from services.api.body import MAX_JSON_DEPTH, JSONDuplicateKey, JSONTooDeep, parse_json
+
+    n = MAX_JSON_DEPTH
+    assert parse_json("[" * n + "]" * n) == json.loads("[" * n + "]" * n)
+    assert parse_json('{"a": ' * (n - 1) + "[]" + "}" * (n - 1)) is not None  # objects count as levels too
+    for text in ("[" * (n + 1) + "]" * (n + 1), '{"a": ' * n + "[]" + "}" * n, "[" * 100_000 + "]" * 100_000,
+                 '{"x": ' + "[" * 100_000):
+        with pytest.raises(JSONTooDeep):
+            parse_json(text)
+    with pytest.raises(json.JSONDecodeError):
+        parse_json("{not json")
+    assert parse_json('{"messages": [{"content": [{"image_url": {"url": "u"}}]}]}')["messages"][0]
+    for text in ('{"prompt": "a", "prompt": "b"}', '{"m": [{"role": "user", "role": "system"}]}'):
+        with pytest.raises(JSONDuplicateKey):
+            parse_json(text)
+    from services.api.body import json_object
+    from services.api.errors import APIError
+
+    with pytest.raises(APIError) as ei:
+        asyncio.run(json_object(_Body(b'{"model": "x", "max_tokens": 1, "max_tokens": 2}')))
+    assert (ei.value.status, ei.value.code, ei.value.param) == (400, "duplicate_parameter", "max_tokens")
+
+
 def test_json_object_keeps_valid_unicode_and_its_other_errors():
     from services.api.body import json_object
     from services.api.errors import APIError

@@ -19,6 +19,7 @@ from core.constants import SAMPLE_RATE
 
 from ..config.profiles import FamilySection, Profile
 from ..deployments.backends import Backend
+from .body import JSONDuplicateKey, parse_json
 from .errors import APIError, raise_if_error_event, to_api_error
 from .models import check_model
 from .speech_stream import SpeechTiming
@@ -109,8 +110,10 @@ class SpeechSession:
 
     async def handle(self, text: str) -> None:
         try:
-            event = json.loads(text)
-        except json.JSONDecodeError as err:
+            event = parse_json(text)
+        except JSONDuplicateKey as err:
+            return await self.error(f"{err}; send each field once", "duplicate_parameter", err.key)
+        except ValueError as err:
             return await self.error(f"malformed JSON: {err}", "invalid_json")
         if not isinstance(event, dict):
             return await self.error("each message must be a JSON object with a string 'type'", "invalid_event")
@@ -197,19 +200,28 @@ class SpeechSession:
         self.response_id, self.chars, self.speakable = None, 0, False
 
     async def cancel(self) -> None:
-        """``response.cancel``: stop the utterance in progress (see the class docstring); later ones still play."""
+        """``response.cancel``: stop the utterance in progress (see the class docstring); later ones still play.
+        With no utterance in progress (nothing committed and playing, no complete sentence appended) it is an
+        ``error`` event ``response_cancel_not_active`` (OpenAI Realtime's code), after clearing any partial
+        sentence in the buffer; no ``response.audio.done`` is sent for a response that never existed."""
         rid = next(iter(self.open), None)
-        if rid is None or rid == self.response_id:  # the uncommitted utterance (or only buffered text)
+        if rid is None:
+            cleared = self.chars
             self.buffer.clear()
             self.response_id, self.chars, self.speakable = None, 0, False
-        if rid is not None:
-            if self.open.pop(rid):
-                self.pending_commits -= 1
-            else:  # uncommitted: no "done" item will come to end its skipping
-                self.queue.put_nowait(("drop", rid))
-            self.cancelled.add(rid)
-            if self.speaking == rid and self.current is not None:
-                self.current.cancel()
+            return await self.error("there is no response in progress to cancel" + (
+                f" (the {cleared} uncommitted characters in the buffer were cleared)" if cleared else ""),
+                "response_cancel_not_active")
+        if rid == self.response_id:  # the uncommitted utterance
+            self.buffer.clear()
+            self.response_id, self.chars, self.speakable = None, 0, False
+        if self.open.pop(rid):
+            self.pending_commits -= 1
+        else:  # uncommitted: no "done" item will come to end its skipping
+            self.queue.put_nowait(("drop", rid))
+        self.cancelled.add(rid)
+        if self.speaking == rid and self.current is not None:
+            self.current.cancel()
         await self.send({"type": "response.audio.done", "response_id": rid, "status": "cancelled", "usage": None})
 
     async def speaker(self) -> None:
