@@ -297,6 +297,21 @@ def _b64_png(img) -> str:
     ("get", "/v1/videos?limit=many", {}, 400, "invalid_value"),
     ("get", "/v1/videos?order=sideways", {}, 400, "invalid_value"),
     ("get", "/v1/videos?after=video_nope", {}, 404, "video_not_found"),
+    # what a tester found accepted by the served app (each in-process test below has the details)
+    ("post", "/v1/videos", {"json": {"prompt": "x", "model": "chimera-tts"}}, 400, "model_not_supported"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "fps": "2"}}, 400, "invalid_value"),
+    ("post", "/v1/videos", {"json": {"prompt": "x", "drift_correction": "no"}}, 400, "invalid_value"),
+    ("post", "/v1/videos", {"content": b"prompt=a&prompt=b", "headers": {"content-type":
+                                                                         "application/x-www-form-urlencoded"}}, 400,
+     "duplicate_parameter"),
+    ("post", "/v1/videos/extensions", {"data": {"prompt": "x", "seconds": "0.5"},
+                                       "files": {"video": ("v.png", "STILL", "image/png")}}, 415,
+     "unsupported_media_type"),
+    ("post", "/v1/videos/extensions", {"data": {"prompt": "x", "seconds": "4", "video[id]": "v"},
+                                       "files": {"video": ("v.mp4", b"not a video", "video/mp4")}}, 400,
+     "invalid_value"),
+    ("get", "/v1/videos?foo=1", {}, 400, "unknown_parameter"),
+    ("get", "/v1/videos/video_nope/content?foo=1", {}, 400, "unknown_parameter"),
 ])
 def test_bad_requests_over_http(serve_url, method, path, kw, status, code):
     before = _newest(serve_url)
@@ -309,6 +324,10 @@ def test_bad_requests_over_http(serve_url, method, path, kw, status, code):
         from PIL import Image
 
         files["input_reference"] = ("bomb.png", _png(Image.new("RGB", (5000, 4000))), "image/png")
+    if files.get("video", (None, None))[1] == "STILL":  # a PNG still uploaded as the video to extend
+        from PIL import Image
+
+        files["video"] = ("v.png", _png(Image.new("RGB", (64, 64), (200, 30, 30))), "image/png")
     r = getattr(httpx, method)(f"{serve_url}{path}", timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -481,13 +500,20 @@ class _Remote:
 
 class _RecordingManager:
     """Stands in for the job-manager actor: ``created`` lists each ``create``'s (request dict, keyword arguments);
-    ``extension_source`` answers ``source`` (a stored source video's record) under the asked id."""
+    ``extension_source`` answers ``source`` (a stored source video's record) under the asked id; ``list`` answers
+    an empty page and records its (limit, after, order) in ``listed``."""
 
     def __init__(self):
         self.created, self.source = [], None
         self.create = _Remote(self._create)
         self.extension_source = _Remote(lambda video_id, owner=None: dict(self.source, id=video_id))
         self.queue_length = _Remote(lambda: 0)
+        self.listed = []
+        self.list = _Remote(self._list)
+
+    def _list(self, limit, after, order, owner=None):
+        self.listed.append((limit, after, order))
+        return {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
 
     def _create(self, request, **kw):
         self.created.append((request, kw))
@@ -628,9 +654,9 @@ def test_extension_uses_the_defaults_of_its_own_quality(profile, source, ext, wa
 
 
 STRING = [["x"], 5, 2.5, {"a": 1}, True]
-NUMBER = [[1], {"a": 1}, True, False]
-INTEGER = NUMBER + [2.5]
-BOOLEAN = [[True], 1, 0, 2.5, {"a": 1}, None]
+NUMBER = [[1], {"a": 1}, True, False, "5"]  # in JSON a number's text is a string, not the number (forms: below)
+INTEGER = NUMBER + [2.5, "2"]
+BOOLEAN = [[True], 1, 0, 2.5, {"a": 1}, None, "no", "off", "yes", "0", "true"]
 DATA_URL = "data:image/png;base64,iVBORw0KGgo="
 REFERENCE = [[1], 5, True, False, {"image_url": [1]}, {"image_url": 5}, {"image_url": {"url": DATA_URL}},
              {"image_url": True}, {"image_url": None}, {"image_url": ""}, {}, {"file_id": "file_1", "image_url": [1]},
@@ -695,10 +721,11 @@ def typed_ingress(profile):
 @pytest.mark.parametrize("path,kw,param,code", list(_cases()))
 def test_a_field_of_another_type_is_a_400_naming_it(typed_ingress, path, kw, param, code):
     """Every field of POST /v1/videos and /v1/videos/extensions (JSON and multipart) with a value of another type
-    than the documented one (a list, number, object, boolean, null where null is not allowed; in a form, text that
-    is not of the field's type, or a file for a text field) is a 400 naming it, and queues nothing. An
-    ``input_reference`` object whose ``image_url`` was a list, number or object used to be a 500 (AttributeError),
-    and booleans for numbers or numbers for ``drift_correction`` were read as 1/0."""
+    than the documented one (a list, number, object, boolean, null where null is not allowed; in JSON, a string for
+    a number or a boolean; in a form, text that is not of the field's type, or a file for a text field) is a 400
+    naming it, and queues nothing. An ``input_reference`` object whose ``image_url`` was a list, number or object
+    used to be a 500 (AttributeError), booleans for numbers or numbers for ``drift_correction`` were read as 1/0,
+    and JSON strings were converted (``"fps": "2"`` as 2, ``"drift_correction": "no"`` as false)."""
     app, manager = typed_ingress
     before = len(manager.created)
 
@@ -713,3 +740,196 @@ def test_a_field_of_another_type_is_a_400_naming_it(typed_ingress, path, kw, par
     assert (err["param"], err["code"]) == (param, code), err
     assert err["message"] and err["type"] == "invalid_request_error"
     assert len(manager.created) == before + 1  # only the well-typed request
+
+
+def test_form_text_is_converted_and_json_keeps_its_types(typed_ingress):
+    """Form fields are text by nature: ``fps=2``, ``seed=5``, ``drift_correction=no``, ... are converted (multipart and
+    urlencoded). The same values as JSON numbers and booleans are queued too; as JSON strings they are a 400
+    ``invalid_value`` naming the field (tested above for every field), where they used to be converted."""
+    app, manager = typed_ingress
+    text = {"prompt": "a cat", "size": "64x64", "fps": "2", "num_inference_steps": "2", "seed": "5",
+            "guidance_scale": "5", "sparsity": "0.5", "drift_correction": "no"}
+    typed = {**text, "fps": 2, "num_inference_steps": 2, "seed": 5, "guidance_scale": 5, "sparsity": 0.5,
+             "drift_correction": False}
+
+    async def go(http):
+        return [await http.post("/v1/videos", files={k: (None, v) for k, v in text.items()}),
+                await http.post("/v1/videos", data=text), await http.post("/v1/videos", json=typed),
+                await http.post("/v1/videos", json={**typed, "seed": "5"})]
+
+    before = len(manager.created)
+    *ok, refused = _asgi(app, go)
+    assert [r.status_code for r in ok] == [200, 200, 200], [r.text for r in ok]
+    for req, _ in manager.created[before:]:
+        assert (req["fps"], req["num_inference_steps"], req["seed"], req["guidance_scale"], req["sparsity"],
+                req["drift_correction"]) == (2, 2, 5, 5.0, 0.5, False)
+    assert refused.status_code == 400 and len(manager.created) == before + 3
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("seed", "invalid_value")
+
+
+def _image_bytes(fmt: str) -> bytes:
+    from PIL import Image
+
+    frames = [Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (64, 64), (30, 30, 200))]
+    buf = io.BytesIO()
+    if fmt == "APNG":
+        frames[0].save(buf, format="PNG", save_all=True, append_images=frames[1:])
+    else:
+        frames[0].save(buf, format=fmt, **({"save_all": True, "append_images": frames[1:]} if fmt == "GIF" else {}))
+    return buf.getvalue()
+
+
+def _video_bytes(tmp_path, fmt: str) -> bytes:
+    """A 64x64, 3-frame, 2 fps H.264 video in the container ``fmt`` (PyAV's muxer name)."""
+    import av
+
+    path = tmp_path / f"clip.{fmt}"
+    with av.open(str(path), mode="w", format=fmt) as out:
+        stream = out.add_stream("libx264", rate=2)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        for i in range(3):
+            frame = np.full((64, 64, 3), 40 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name,fmt,mime,container", [
+    ("v.png", "PNG", "image/png", "png_pipe"), ("v.gif", "GIF", "image/gif", "gif"),
+    ("v.jpg", "JPEG", "image/jpeg", "jpeg_pipe"), ("v.webp", "WEBP", "image/webp", "webp_pipe"),
+    ("v.png", "APNG", "image/png", "apng"), ("v.mp4", "PNG", "video/mp4", "png_pipe"),  # the name does not matter
+])
+def test_an_uploaded_image_is_not_a_video(typed_ingress, tmp_path, name, fmt, mime, container):
+    """An extension's uploaded ``video`` that FFmpeg reads as a still image or an image sequence is 415
+    ``unsupported_media_type`` naming what it is and what is accepted, and queues nothing. A PNG used to be
+    extended as a one-frame video (200), a GIF got a 400 about an ``fps`` the client never sent. Real video
+    containers (MP4, Matroska) are queued."""
+    app, manager = typed_ingress
+    before = len(manager.created)
+
+    async def go(http):
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=http)
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.videos.extend(video=(name, _image_bytes(fmt), mime), prompt="more", seconds="0.5")
+        ok = [await client.videos.extend(video=(f"clip.{c}", _video_bytes(tmp_path, c), "video/mp4"),
+                                         prompt="more", seconds="0.5") for c in ("mp4", "matroska")]
+        return err.value, ok
+
+    err, ok = _asgi(app, go)
+    assert err.status_code == 415, err.body
+    assert (err.body["code"], err.body["param"], err.body["type"]) == ("unsupported_media_type", "video",
+                                                                       "invalid_request_error")
+    assert container in err.body["message"] and "MP4/MOV" in err.body["message"], err.body
+    assert [v.status for v in ok] == ["queued", "queued"]
+    assert len(manager.created) == before + 2  # only the videos
+
+
+@pytest.mark.parametrize("kw,sent", [
+    ({"data": {"prompt": "more", "seconds": "4", "video[id]": "video_src"},
+      "files": {"video": ("clip.mp4", "MP4", "video/mp4")}}, "video[id] and a video file"),
+    ({"data": {"prompt": "more", "seconds": "4", "video": "video_src"},
+      "files": {"video": ("clip.mp4", "MP4", "video/mp4")}}, "video as an id and a video file"),
+    ({"data": {"prompt": "more", "seconds": "4", "video": '{"id": "video_src"}', "video[id]": "video_src"}},
+     "video as an id and video[id]"),
+    ({"json": {"prompt": "more", "seconds": "4", "video": {"id": "video_src"}, "video[id]": "video_other"}},
+     "video as an id and video[id]"),
+])
+def test_an_extension_with_two_videos_is_a_400(typed_ingress, tmp_path, kw, sent):
+    """An extension names its source once: ``video`` as an id (JSON ``{"id": ...}`` or text), ``video[id]`` (the
+    SDK's multipart encoding) or an uploaded file. Two of them are a 400 ``invalid_value`` on ``video`` that says to
+    send one, and queue nothing; the id used to win and the upload was dropped unseen."""
+    app, manager = typed_ingress
+    before = len(manager.created)
+    if "files" in kw:
+        kw = {**kw, "files": {"video": ("clip.mp4", _video_bytes(tmp_path, "mp4"), "video/mp4")}}
+    r = _asgi(app, lambda http: http.post("/v1/videos/extensions", **kw))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("video", "invalid_value"), err
+    assert sent in err["message"] and "send one" in err["message"], err
+    assert len(manager.created) == before
+
+
+@pytest.mark.parametrize("path,kw,param", [
+    ("/v1/videos", {"files": [("prompt", (None, "a")), ("prompt", (None, "b")), ("size", (None, "64x64"))]},
+     "prompt"),
+    ("/v1/videos", {"content": b"prompt=a&prompt=b&size=64x64",
+                    "headers": {"content-type": "application/x-www-form-urlencoded"}}, "prompt"),
+    ("/v1/videos", {"files": [("prompt", (None, "a")), ("input_reference", ("a.png", "PNG", "image/png")),
+                              ("input_reference", ("b.png", "PNG", "image/png"))]}, "input_reference"),
+    ("/v1/videos/extensions", {"files": [("prompt", (None, "more")), ("seconds", (None, "4")),
+                                         ("seconds", (None, "8")), ("video[id]", (None, "video_src"))]}, "seconds"),
+    ("/v1/videos/extensions", {"files": [("prompt", (None, "more")), ("seconds", (None, "4")),
+                                         ("video[id]", (None, "video_src")), ("video[id]", (None, "video_src"))]},
+     "video[id]"),
+    ("/v1/videos/extensions", {"files": [("prompt", (None, "more")), ("seconds", (None, "4")),
+                                         ("video", ("a.mp4", "MP4", "video/mp4")),
+                                         ("video", ("b.mp4", "MP4", "video/mp4"))]}, "video"),
+])
+def test_a_form_field_or_file_given_twice_is_a_400(typed_ingress, tmp_path, path, kw, param):
+    """A form (multipart or urlencoded) field, or a file, given twice under one name is a 400
+    ``duplicate_parameter`` naming it, and queues nothing: ``prompt=a&prompt=b`` used to be queued with ``b``,
+    two ``input_reference`` images with the second."""
+    from PIL import Image
+
+    app, manager = typed_ingress
+    blobs = {"PNG": _png(Image.new("RGB", (8, 8))), "MP4": _video_bytes(tmp_path, "mp4")}
+    if "files" in kw:
+        kw = {"files": [(k, (v[0], blobs.get(v[1], v[1]), v[2]) if v[0] else v) for k, v in kw["files"]]}
+    before = len(manager.created)
+    r = _asgi(app, lambda http: http.post(path, **kw))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, "duplicate_parameter", "invalid_request_error"), err
+    assert param in err["message"] and err["message"]
+    assert len(manager.created) == before
+
+
+@pytest.mark.parametrize("method,path,param,code", [
+    ("get", "/v1/videos?foo=1", "foo", "unknown_parameter"),
+    ("get", "/v1/videos?limit=2&limit=3", "limit", "duplicate_parameter"),
+    ("get", "/v1/videos/video_src?foo=1", "foo", "unknown_parameter"),
+    ("get", "/v1/videos/video_src?limit=1", "limit", "unknown_parameter"),  # another route's parameter
+    ("get", "/v1/videos/video_src/content?foo=1", "foo", "unknown_parameter"),
+    ("get", "/v1/videos/video_src/content?variant=video&foo=1", "foo", "unknown_parameter"),
+    ("get", "/v1/videos/video_src/content?variant=video&variant=thumbnail", "variant", "duplicate_parameter"),
+    ("delete", "/v1/videos/video_src?force=1", "force", "unknown_parameter"),
+    ("post", "/v1/videos?foo=1", "foo", "unknown_parameter"),
+    ("post", "/v1/videos/extensions?seconds=4", "seconds", "unknown_parameter"),  # a body field, not a query one
+])
+def test_unknown_query_parameters_are_a_400(typed_ingress, method, path, param, code):
+    """Every ``/v1/videos`` route refuses a query parameter it does not define (400 ``unknown_parameter`` naming
+    it) and one given twice (400 ``duplicate_parameter``), before anything reaches the job manager (they used to
+    be ignored: 200). The list's ``limit``, ``after`` and ``order`` and the content's ``variant`` stay."""
+    app, manager = typed_ingress
+    before = len(manager.created)
+    body = {"json": EXTEND_BASE if "extensions" in path else CREATE_BASE} if method == "post" else {}
+
+    async def go(http):
+        return await http.request(method.upper(), path, **body), await http.get("/v1/videos?limit=2&order=asc")
+
+    r, listed = _asgi(app, go)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    assert param in err["message"]
+    assert listed.status_code == 200 and listed.json()["data"] == [], listed.text
+    assert manager.listed[-1] == (2, None, "asc")  # the list's own parameters reach the manager
+    assert len(manager.created) == before
+
+
+def test_a_json_extension_names_a_field_it_does_not_take_before_its_type(typed_ingress):
+    """``fps`` is not an extension's field (it keeps the source's): as JSON text it is still 400
+    ``unsupported_parameter``, not a type error; a field the extension takes is type-checked (``seed``)."""
+    app, manager = typed_ingress
+
+    async def go(http):
+        return [await http.post("/v1/videos/extensions", json={**EXTEND_BASE, **extra})
+                for extra in ({"fps": "2"}, {"seed": "5"})]
+
+    unsupported, typed = _asgi(app, go)
+    assert [(r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) for r in (unsupported, typed)] == [
+        (400, "fps", "unsupported_parameter"), (400, "seed", "invalid_value")]

@@ -173,12 +173,16 @@ def test_idempotency_key_is_bound_to_the_request(ray_cluster, profile, model_dir
 
 
 def test_queue_full_is_429(ray_cluster, profile, model_dir, tmp_path):
+    """``max_queued`` counts the jobs queued or running, and the 429 says so: with one job running and none
+    queued, the message used to say the jobs were "already queued"."""
     ray = ray_cluster
     mgr, cfg = _manager(ray, profile, model_dir, tmp_path, max_queued=1, workers=1)
     job = _submit(ray, mgr, cfg, **LONG)
+    _wait(ray, mgr, job, lambda rec: rec["status"] == "in_progress")
     with pytest.raises(Exception) as e:
         _submit(ray, mgr, cfg)
     assert e.value.cause.status_code == 429 and e.value.cause.code == "queue_full"
+    assert "video jobs are already queued or running" in str(e.value.cause), e.value.cause
     assert [v["id"] for v in ray.get(mgr.list.remote())["data"]] == [job]  # nothing left behind
     ray.get(mgr.delete.remote(job))
     ray.kill(mgr)

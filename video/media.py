@@ -64,19 +64,56 @@ def encode_mp4(frames: torch.Tensor | np.ndarray, fps: int, path: str | Path, cr
     tmp.replace(path)
 
 
+#: Video containers an uploaded video may come in (the first name of PyAV's ``container.format.name``, a demuxer's
+#: comma-separated aliases): MP4/MOV (the family ``mov,mp4,m4a,3gp,3g2,mj2``), Matroska/WebM, AVI, MPEG-TS, MPEG-PS,
+#: FLV, Ogg and ASF/WMV. Still images and image sequences (``png_pipe``, ``jpeg_pipe``, ``webp_pipe``, ``gif``,
+#: ``apng``, ``image2``, ...), which FFmpeg also opens as one-stream "videos", are not.
+VIDEO_CONTAINERS = {"mov": "MP4/MOV", "matroska": "Matroska/WebM", "avi": "AVI", "mpegts": "MPEG-TS",
+                    "mpeg": "MPEG-PS", "flv": "FLV", "ogg": "Ogg", "asf": "ASF/WMV"}
+
+
+def _check_container(name: str) -> None:
+    """Raise MediaError 415 ``unsupported_media_type`` (``param`` ``video``) unless ``name`` (PyAV's
+    ``container.format.name``) is one of :data:`VIDEO_CONTAINERS`; the message names what was read and what is
+    accepted."""
+    if name.split(",")[0] in VIDEO_CONTAINERS:
+        return
+    image = any(k in name for k in ("pipe", "image2", "gif", "apng"))
+    what = f"{name!r} ({'an image or image sequence' if image else 'not a video container'})"
+    raise MediaError(f"video: the upload is {what}; send a video file: "
+                     f"{', '.join(dict.fromkeys(VIDEO_CONTAINERS.values()))}", 415, "video")
+
+
+def check_video_container(data: bytes) -> None:
+    """Refuse an uploaded video whose container FFmpeg reads as something other than a video container
+    (:data:`VIDEO_CONTAINERS`): a PNG, JPEG, WebP, GIF or APNG image, an image sequence, raw audio, ... Only the
+    header is read (PyAV; no frame is decoded): cheap enough for the ingress to answer before queueing anything.
+    Raises MediaError 415 ``unsupported_media_type`` (``param`` ``video``). Data FFmpeg cannot open at all passes
+    here: :func:`probe_video` refuses it with the same status and code."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            name = container.format.name
+    except (av.error.FFmpegError, ValueError):
+        return
+    _check_container(name)
+
+
 def probe_video(data: bytes, max_frames: int, max_width: int, max_height: int, max_pixels: int) -> dict:
     """Read a video's container header (PyAV; no frame is decoded) and check it against limits first.
 
     Returns ``{"frames": int, "width": int, "height": int, "fps": float}``; ``frames`` is the header's count, or
     duration x rate when the container has none (rounded up). Raises MediaError: 415 ``unsupported_media_type``
-    when it is not a video container with a video stream; 413 ``too_many_frames`` over ``max_frames``;
-    413 ``video_too_large`` when width, height or width*height (pixels) is over its limit."""
+    when it is not a video container (:data:`VIDEO_CONTAINERS`) with a video stream; 413 ``too_many_frames`` over
+    ``max_frames``; 413 ``video_too_large`` when width, height or width*height (pixels) is over its limit."""
     import math
 
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
+            name = container.format.name
             stream = container.streams.video[0]
             width, height = int(stream.codec_context.width), int(stream.codec_context.height)
             fps = float(stream.average_rate or stream.guessed_rate or 0) or 0.0
@@ -87,6 +124,7 @@ def probe_video(data: bytes, max_frames: int, max_width: int, max_height: int, m
                 frames = math.ceil(duration * fps)
     except (av.error.FFmpegError, IndexError, ValueError) as err:
         raise MediaError(f"video: not a readable video container ({type(err).__name__})", 415, "video") from None
+    _check_container(name)
     if frames > max_frames:
         raise MediaError(f"video has {frames} frames; the limit is {max_frames}", 413, "video", "too_many_frames")
     if width > max_width or height > max_height or width * height > max_pixels:

@@ -1,6 +1,6 @@
 """Reading a body that may be a form: ``multipart/form-data`` (the ``openai`` SDK sends files that way),
 ``application/x-www-form-urlencoded`` or JSON (:func:`services.api.body.json_object`), with strict UTF-8 text
-fields and per-file size caps counted as the parts stream in."""
+fields, per-file size caps counted as the parts stream in, and no field or file given twice."""
 
 from __future__ import annotations
 
@@ -63,11 +63,31 @@ def _unicode_error(field: str) -> APIError:
                     param=field, code="invalid_unicode")
 
 
+def _duplicate_error(field: str, what: str) -> APIError:
+    return APIError(400, f"{field} is given more than once (as {what}); send each field once", param=field,
+                    code="duplicate_parameter")
+
+
+def content_type(request: Request) -> str:
+    """The request's media type, lower case, without parameters (``""`` when there is no ``Content-Type``)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def is_form(request: Request) -> bool:
+    """Whether :func:`read_body` reads ``request`` as a form (multipart or urlencoded), whose values are all text
+    (or files), rather than as JSON, whose values have JSON types."""
+    return content_type(request) in ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
 async def read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
     """JSON or multipart/urlencoded body -> (fields, files). Each file streams in counted: past ``max_bytes``
     it is APIError 413 ``too_large`` at once (the edge middleware already bounds the whole body).
-    Text that is not valid Unicode is APIError 400 ``invalid_unicode``."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    Raises APIError: 400 ``invalid_unicode`` for text that is not valid Unicode; 400 ``duplicate_parameter``
+    (``param``: its name) for a form field given twice, or two files under one name (nothing is silently
+    dropped: one text field and one file of the same name are both returned, for the route to judge); 400
+    ``invalid_body`` for a malformed multipart body; 415 ``unsupported_media_type`` for another content type;
+    and :func:`services.api.body.json_object`'s errors for a JSON body."""
+    ctype = content_type(request)
     if ctype == "application/x-www-form-urlencoded":
         from urllib.parse import parse_qsl
 
@@ -78,7 +98,12 @@ async def read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
             pairs = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict")
         except UnicodeDecodeError:
             raise APIError(400, "form body is not UTF-8 text (raw or %-encoded)", code="invalid_unicode") from None
-        return dict(pairs), {}
+        fields = {}
+        for key, value in pairs:
+            if key in fields:
+                raise _duplicate_error(key, "two form fields")
+            fields[key] = value
+        return fields, {}
     if ctype == "multipart/form-data":
         parser = _Utf8MultiPartParser(request.headers, request.stream(), max_part_size=max_bytes, max_files=8,
                                       max_fields=64)
@@ -97,8 +122,12 @@ async def read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
         try:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
+                    if key in files:
+                        raise _duplicate_error(key, "two files")
                     files[key] = await value.read()
                 else:
+                    if key in fields:
+                        raise _duplicate_error(key, "two form fields")
                     fields[key] = value
         finally:
             await form.close()

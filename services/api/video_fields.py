@@ -1,14 +1,17 @@
-"""Field checks of the ``/v1/videos`` bodies that are the ingress's own (types, required fields, which part may
-be a file, ``input_reference`` as a data URL) and of the content endpoint's ``Range`` header; the generation fields
-themselves are checked against the profile by :func:`video.request.plan_request` in the replica."""
+"""Field checks of the ``/v1/videos`` bodies that are the ingress's own (types, JSON types of a JSON body,
+required fields, which part may be a file, ``input_reference`` as a data URL), of
+the routes' query parameters and of the content endpoint's ``Range`` header; the generation fields themselves are
+checked against the profile by :func:`video.request.plan_request` in the replica."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from core.media import ImageInputError, parse_data_url
 
+from .body import JSONDuplicateKey, JSONTooDeep, json_error, parse_json
 from .errors import APIError, to_api_error
 
 
@@ -43,6 +46,51 @@ def only_files(files: dict, allowed: str) -> None:
                                 "text)", param=name, code="unexpected_file")
 
 
+#: The JSON types of the generation fields in a JSON body (:class:`video.request.VideoParams`), beyond what
+#: pydantic's lax mode enforces there: it would read the text ``"2"`` as 2 and ``"no"`` as false, which only a
+#: form (whose values are all text) needs. ``seconds`` is text in OpenAI's contract (``"4"``): a number or its
+#: text. Text fields (``prompt``, ``size``, ...) are strict already (pydantic never turns a number into text).
+_INTEGER, _NUMBER = "an integer (a JSON number)", "a number (a JSON number)"
+JSON_FIELD_TYPES = {"width": _INTEGER, "height": _INTEGER, "num_frames": _INTEGER, "fps": _INTEGER,
+                    "num_inference_steps": _INTEGER, "seed": _INTEGER, "guidance_scale": _NUMBER,
+                    "sparsity": _NUMBER, "drift_correction": "a boolean (true or false)"}
+
+
+def check_json_types(fields: dict) -> None:
+    """Refuse a generation field of a JSON body whose JSON type is not the field's: text (``"2"``, ``"no"``) or a
+    boolean for a number, anything but ``true``/``false`` for ``drift_correction`` (:data:`JSON_FIELD_TYPES`;
+    null stays "not given" for the optional numbers). Raises APIError 400 ``invalid_value`` naming the field.
+    Form bodies are not checked here: their values are text, converted by :func:`video.request.plan_request`."""
+    for name, kind in JSON_FIELD_TYPES.items():
+        if name not in fields:
+            continue
+        v = fields[name]
+        if name == "drift_correction":
+            ok = isinstance(v, bool)
+        else:
+            ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not ok:
+            raise APIError(400, f"{name} must be {kind}, not {json_type(v)} (in a JSON body values keep their JSON "
+                                "type; only form fields are text)", param=name, code="invalid_value")
+
+
+def check_query(params: Any, allowed: Iterable[str] = ()) -> None:
+    """Refuse query parameters a route does not define (``params``: Starlette's ``request.query_params``;
+    ``allowed``: the route's own). Raises APIError 400 ``unknown_parameter`` (``param``: its name) for another
+    name, and 400 ``duplicate_parameter`` for a name given twice (nothing is silently ignored)."""
+    allowed = tuple(allowed)
+    seen: set[str] = set()
+    for name, _ in params.multi_items():
+        if name not in allowed:
+            takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+            raise APIError(400, f"unknown query parameter {name[:100]!r} ({takes})", param=name,
+                           code="unknown_parameter")
+        if name in seen:
+            raise APIError(400, f"query parameter {name} is given more than once; send it once", param=name,
+                           code="duplicate_parameter")
+        seen.add(name)
+
+
 def reference_image(ref: Any) -> bytes:
     """The image bytes of a JSON or form-field ``input_reference``: ``{"image_url": <base64 data URL>}`` (as a
     JSON value, or that object's JSON text in a form field) or the data URL itself. Raises APIError 400
@@ -53,7 +101,9 @@ def reference_image(ref: Any) -> bytes:
     media type other than ``image/*``)."""
     if isinstance(ref, str):
         try:
-            ref = json.loads(ref)
+            ref = parse_json(ref)
+        except (JSONTooDeep, JSONDuplicateKey) as err:
+            raise json_error(err, "input_reference", "input_reference") from None
         except json.JSONDecodeError:
             ref = {"image_url": ref}
     if not isinstance(ref, dict):

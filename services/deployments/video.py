@@ -157,7 +157,7 @@ class Deployment:
         """Queue an extension of a completed video (``video_id``) or of an uploaded video file (``video``):
         its first clip starts from the source's last frame; the result is the source with the extension
         appended. ``fields``: ``prompt``, ``seconds`` (the added length) and optional generation fields
-        (:data:`_EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
+        (:data:`EXTEND_FIELDS`; any other field is RequestError ``unsupported_parameter``). The Video object's
         ``seconds`` is the whole joined video's duration (source frames + added frames) / fps. ``owner``: the
         API key's id; a source video of another owner is 404.
 
@@ -172,7 +172,7 @@ class Deployment:
         from video.request import RequestError, plan_request, seconds_label
 
         for name in fields:
-            if name not in _EXTEND_FIELDS:
+            if name not in EXTEND_FIELDS:
                 kept = " (an extension keeps the source video's size, fps and clip length)" if name in \
                     ("size", "width", "height", "fps", "num_frames", "input_reference") else ""
                 raise RequestError(f"{name} is not supported on a video extension{kept}", str(name),
@@ -247,5 +247,5 @@ class Deployment:
 
 
 #: The fields of an extension request that reach the deployment (``video`` and ``model`` are taken by the router).
-_EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
+EXTEND_FIELDS = ("prompt", "seconds", "seed", "num_inference_steps", "guidance_scale", "negative_prompt",
                   "drift_correction", "sparsity", "quality", "cache")

@@ -195,7 +195,7 @@ class JobManager(WorkerSlots):
                                         "new key for a new request", "idempotency_key_reused", "Idempotency-Key")
                 return video_object(prev)
         if await self._io(self.store.count_active) >= self.cfg.jobs.max_queued:
-            raise JobError(429, f"{self.cfg.jobs.max_queued} video jobs are already queued; retry later",
+            raise JobError(429, f"{self.cfg.jobs.max_queued} video jobs are already queued or running; retry later",
                            "queue_full")
         job_id = "video_" + uuid.uuid4().hex
         jd = self.store.job_dir(job_id)
