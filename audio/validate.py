@@ -50,7 +50,11 @@ def check_unicode(value, param: str) -> None:
 
 def check_text(cfg: TTSConfig, text) -> str:
     """``text`` must be a non-blank string of valid Unicode (:func:`check_unicode`) of at most
-    ``cfg.max_input_chars`` characters."""
+    ``cfg.max_input_chars`` characters. Raises SpeechInputError (``param`` ``input``):
+    ``missing_required_parameter`` for None (absent), ``invalid_type``, ``invalid_unicode``, ``empty_input`` or
+    ``input_too_long``."""
+    if text is None:
+        raise SpeechInputError("'input' is required: the text to speak", "input", "missing_required_parameter")
     if not isinstance(text, str):
         raise SpeechInputError("'input' must be a string", "input", "invalid_type")
     check_unicode(text, "input")
@@ -72,8 +76,8 @@ def speakable(cfg: TTSConfig, sentence: str) -> bool:
 def check_speakable(cfg: TTSConfig, sentences: list[str]) -> list[str]:
     """At least one of ``sentences`` must be :func:`speakable`, else ``empty_input``. Returns ``sentences``."""
     if not any(speakable(cfg, s) for s in sentences):
-        raise SpeechInputError("'input' has nothing to speak once unsupported tags are removed", "input",
-                               "empty_input")
+        raise SpeechInputError("'input' has nothing to speak: no word is left once punctuation and unsupported "
+                               "tags are removed", "input", "empty_input")
     return sentences
 
 

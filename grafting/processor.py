@@ -135,6 +135,9 @@ class GraftProcessor:
             if isinstance(content, str):
                 text = self._check_text(content, f"messages[{i}].content")
             elif isinstance(content, list):
+                if not content:  # as OpenAI: a list of parts holds at least one
+                    raise PromptError(f"messages[{i}].content is an empty list (send at least one text or image "
+                                      "part)", f"messages[{i}].content")
                 pieces = []
                 for j, part in enumerate(content):
                     p = f"messages[{i}].content[{j}]"

@@ -18,7 +18,14 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
+from services.api.body import MAX_JSON_DEPTH
+
 JSON = {"content-type": "application/json"}
+
+
+def _deep(levels: int) -> bytes:
+    """A JSON object whose field ``x`` nests ``levels`` arrays (``levels + 1`` levels with the object)."""
+    return b'{"model": "x", "x": ' + b"[" * levels + b"]" * levels + b"}"
 
 
 def _png(size=(8, 8), fmt="PNG") -> bytes:
@@ -75,6 +82,19 @@ HTTP_CASES = [
     ("chat-temperature-negative", "post", "/v1/chat/completions", _chat(temperature=-1), 400, "invalid_value"),
     ("chat-temperature-string", "post", "/v1/chat/completions", _chat(temperature="hot"), 400, "invalid_value"),
     ("chat-stop-int", "post", "/v1/chat/completions", _chat(stop=7), 400, "invalid_value"),
+    ("chat-stop-empty", "post", "/v1/chat/completions", _chat(stop=""), 400, "invalid_value"),
+    ("chat-stop-list-empty-string", "post", "/v1/chat/completions", _chat(stop=["x", ""]), 400, "invalid_value"),
+    ("chat-content-empty-list", "post", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": []}]),
+     400, "invalid_messages"),
+    ("chat-duplicate-key", "post", "/v1/chat/completions",
+     _raw(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_tokens": 2}'), 400,
+     "duplicate_parameter"),
+    ("speech-duplicate-key", "post", "/v1/audio/speech", _raw(b'{"input": "a", "input": "b"}'), 400,
+     "duplicate_parameter"),
+    ("video-duplicate-key", "post", "/v1/videos", _raw(b'{"prompt": "a", "prompt": "b"}'), 400,
+     "duplicate_parameter"),
+    ("chat-deep-json", "post", "/v1/chat/completions", _raw(_deep(100_000)), 400, "invalid_json"),
+    ("chat-json-too-deep", "post", "/v1/chat/completions", _raw(_deep(MAX_JSON_DEPTH)), 400, "invalid_json"),
     ("chat-response-format-bogus", "post", "/v1/chat/completions", _chat(response_format={"type": "yaml"}), 400,
      "invalid_value"),
     ("chat-unknown-model", "post", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model_not_found"),
@@ -99,6 +119,17 @@ HTTP_CASES = [
     ("chat-get", "get", "/v1/chat/completions", {}, 405, "method_not_allowed"),
     # ---- video ----
     ("video-malformed-json", "post", "/v1/videos", _raw(b'{"prompt": '), 400, "invalid_json"),
+    ("video-deep-json", "post", "/v1/videos", _raw(_deep(30_000)), 400, "invalid_json"),
+    ("video-extension-deep-json", "post", "/v1/videos/extensions", _raw(_deep(30_000)), 400, "invalid_json"),
+    ("video-extension-deep-form-field", "post", "/v1/videos/extensions",
+     {"data": {"prompt": "x", "seconds": "4", "video": "[" * 30_000 + "]" * 30_000}}, 400, "invalid_json"),
+    ("video-extension-form-field-duplicate-key", "post", "/v1/videos/extensions",
+     {"data": {"prompt": "x", "seconds": "4", "video": '{"id": "a", "id": "b"}'}}, 400, "duplicate_parameter"),
+    ("video-form-reference-duplicate-key", "post", "/v1/videos",
+     {"data": {"prompt": "x", "input_reference": '{"image_url": "a", "image_url": "b"}'}}, 400,
+     "duplicate_parameter"),
+    ("video-deep-form-reference", "post", "/v1/videos",
+     {"data": {"prompt": "x", "input_reference": "[" * 30_000 + "]" * 30_000}}, 400, "invalid_json"),
     ("video-no-prompt", "post", "/v1/videos", {"json": {"size": "64x64"}}, 400, "missing_required_parameter"),
     ("video-text-plain", "post", "/v1/videos", _raw(b"prompt=x", "text/plain"), 415, "unsupported_media_type"),
     ("video-xml", "post", "/v1/videos", _raw(b"<prompt>x</prompt>", "application/xml"), 415, "unsupported_media_type"),
@@ -150,7 +181,13 @@ HTTP_CASES = [
     ("video-put", "put", "/v1/videos", {"json": {"prompt": "x"}}, 405, "method_not_allowed"),
     # ---- speech ----
     ("speech-malformed-json", "post", "/v1/audio/speech", _raw(b"{'input': 'single quotes'}"), 400, "invalid_json"),
-    ("speech-no-input", "post", "/v1/audio/speech", {"json": {"voice": "tara"}}, 400, "invalid_type"),
+    ("speech-stream-over-http", "get", "/v1/audio/speech/stream", {}, 426, "websocket_required"),
+    ("speech-stream-over-http-post", "post", "/v1/audio/speech/stream", {"json": {}}, 426, "websocket_required"),
+    ("speech-no-input", "post", "/v1/audio/speech", {"json": {"voice": "tara"}}, 400, "missing_required_parameter"),
+    ("speech-input-null", "post", "/v1/audio/speech", {"json": {"input": None}}, 400, "missing_required_parameter"),
+    ("speech-input-int", "post", "/v1/audio/speech", {"json": {"input": 5}}, 400, "invalid_type"),
+    ("speech-deep-json", "post", "/v1/audio/speech", _raw(_deep(30_000)), 400, "invalid_json"),
+    ("speech-json-too-deep", "post", "/v1/audio/speech", _raw(_deep(MAX_JSON_DEPTH)), 400, "invalid_json"),
     ("speech-empty-input", "post", "/v1/audio/speech", {"json": {"input": ""}}, 400, "empty_input"),
     ("speech-tags-only", "post", "/v1/audio/speech", {"json": {"input": "<whisper> <shout>"}}, 400, "empty_input"),
     ("speech-input-too-long", "post", "/v1/audio/speech", {"json": {"input": "a" * 4097}}, 400, "input_too_long"),
@@ -194,6 +231,11 @@ def _ws_url(serve_url: str) -> str:
 # (id, frame sent, code of the error event)
 WS_CASES = [
     ("ws-malformed-json", '{"type": "input_text.append", ', "invalid_json"),
+    ("ws-deep-json", '{"type": "input_text.append", "text": ' + "[" * 2000 + "]" * 2000 + "}", "invalid_json"),
+    ("ws-json-too-deep", '{"type": "input_text.append", "text": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}",
+     "invalid_json"),
+    ("ws-cancel-nothing", '{"type": "response.cancel"}', "response_cancel_not_active"),
+    ("ws-duplicate-key", '{"type": "input_text.append", "text": "a", "text": "b"}', "duplicate_parameter"),
     ("ws-array", "[1, 2, 3]", "invalid_event"),
     ("ws-no-type", '{"text": "hi"}', "invalid_event"),
     ("ws-type-int", '{"type": 5}', "invalid_event"),

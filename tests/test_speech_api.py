@@ -59,14 +59,15 @@ def test_not_streamed_wav_has_exact_sizes(openai_client, serve_url):
         assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == ("stream", code)
 
 
-@pytest.mark.parametrize("text", ["<foo>", "<foo> </b>. <break time=\"1s\"/>"])
+@pytest.mark.parametrize("text", ["<foo>", "<foo> </b>. <break time=\"1s\"/>", ".", "...?"])
 def test_tag_only_input_is_empty_input(serve_url, openai_client, text):
     for fmt in ("wav", "pcm", "flac", "mp3", "opus"):
         for stream_format in ("audio", "sse"):
             r = httpx.post(f"{serve_url}/v1/audio/speech", timeout=30,
                            json={"input": text, "response_format": fmt, "stream_format": stream_format})
             assert r.status_code == 400, (fmt, stream_format, r.content[:60])
-            assert r.json()["error"] == {"message": "'input' has nothing to speak once unsupported tags are removed",
+            assert r.json()["error"] == {"message": "'input' has nothing to speak: no word is left once punctuation "
+                                                    "and unsupported tags are removed",
                                          "type": "invalid_request_error", "param": "input", "code": "empty_input"}
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.audio.speech.create(model="chimera-tts", voice="tara", input=text)

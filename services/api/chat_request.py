@@ -76,7 +76,8 @@ class ChatRequest(BaseModel):
     - Message fields other than ``role`` and ``content`` (``name``, ``tool_calls``, ...) are refused by the
       processor (``grafting/processor.py``) the same way.
 
-    Types are strict: ``"stream": "yes"`` or ``"max_tokens": true`` are 400 ``invalid_value``, not coerced.
+    Types are strict: ``"stream": "yes"`` or ``"max_tokens": true`` are 400 ``invalid_value``, not coerced; an
+    empty stop sequence (``""`` or ``[""]``) is 400 ``invalid_value``, ``param`` ``stop``.
     Build with :meth:`parse`, which applies the rule above; raises APIError."""
 
     model_config = ConfigDict(extra="forbid")
@@ -117,6 +118,8 @@ class ChatRequest(BaseModel):
         if opts is not None and opts.include_obfuscation:
             raise APIError(400, "stream_options.include_obfuscation is not supported (only false)",
                            param="stream_options.include_obfuscation", code="unsupported_parameter")
+        if "" in ([req.stop] if isinstance(req.stop, str) else req.stop or []):
+            raise APIError(400, "stop: a stop sequence must not be empty", param="stop", code="invalid_value")
         if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree (send one of them)",
                            param="max_tokens", code="invalid_value")

@@ -106,4 +106,12 @@ def make_router(section: FamilySection, backend: Backend, profile: Profile) -> A
         finally:
             metrics.TTS_WS_SESSIONS.labels(section.model_id).dec()
 
+    @router.api_route("/v1/audio/speech/stream", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                      include_in_schema=False)
+    async def speech_stream_over_http(request: Request):
+        """The websocket's path asked over plain HTTP: 426 ``websocket_required`` (with ``Upgrade: websocket``),
+        not a 404 that would say the route does not exist."""
+        raise APIError(426, f"{request.url.path} is a websocket endpoint: connect with ws:// (or wss://)",
+                       code="websocket_required", headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+
     return router
