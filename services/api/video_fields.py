@@ -6,6 +6,7 @@ checked against the profile by :func:`video.request.plan_request` in the replica
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,14 +47,26 @@ def only_files(files: dict, allowed: str) -> None:
                                 "text)", param=name, code="unexpected_file")
 
 
-#: The JSON types of the generation fields in a JSON body (:class:`video.request.VideoParams`), beyond what
-#: pydantic's lax mode enforces there: it would read the text ``"2"`` as 2 and ``"no"`` as false, which only a
-#: form (whose values are all text) needs. ``seconds`` is text in OpenAI's contract (``"4"``): a number or its
-#: text. Text fields (``prompt``, ``size``, ...) are strict already (pydantic never turns a number into text).
-_INTEGER, _NUMBER = "an integer (a JSON number)", "a number (a JSON number)"
-JSON_FIELD_TYPES = {"width": _INTEGER, "height": _INTEGER, "num_frames": _INTEGER, "fps": _INTEGER,
-                    "num_inference_steps": _INTEGER, "seed": _INTEGER, "guidance_scale": _NUMBER,
-                    "sparsity": _NUMBER, "drift_correction": "a boolean (true or false)"}
+def _json_kinds() -> dict[str, str]:
+    """Field -> the JSON type it must have in a JSON body, read from the annotations of
+    :class:`video.request.VideoParams` (the one home of the fields' types): ``int`` an integer, ``float`` a
+    number, ``bool`` true/false. ``seconds`` is left out: OpenAI's contract sends it as text (``"4"``)."""
+    from video.request import VideoParams
+
+    names = {bool: "a boolean (true or false)", int: "an integer (a JSON number)", float: "a number (a JSON number)"}
+    kinds = {}
+    for name, info in VideoParams.model_fields.items():
+        types = set(typing.get_args(info.annotation) or (info.annotation,)) - {type(None)}
+        if name != "seconds" and len(types) == 1 and (kind := types.pop()) in names:
+            kinds[name] = names[kind]
+    return kinds
+
+
+#: The JSON types of the generation fields in a JSON body (:func:`_json_kinds`), beyond what pydantic's lax mode
+#: enforces there: it would read the text ``"2"`` as 2 and ``"no"`` as false, which only a form (whose values are
+#: all text) needs. Text fields (``prompt``, ``size``, ...) are strict already (pydantic never turns a number into
+#: text).
+JSON_FIELD_TYPES = _json_kinds()
 
 
 def check_json_types(fields: dict) -> None:
@@ -65,7 +78,7 @@ def check_json_types(fields: dict) -> None:
         if name not in fields:
             continue
         v = fields[name]
-        if name == "drift_correction":
+        if kind.startswith("a boolean"):
             ok = isinstance(v, bool)
         else:
             ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
