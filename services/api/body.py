@@ -63,14 +63,20 @@ def parse_json(text: str) -> Any:
     return value
 
 
+def duplicate_error(name: str, where: str) -> APIError:
+    """APIError 400 ``duplicate_parameter`` (``param``: ``name``) for a field, file, key or query parameter given
+    more than once ``where`` (e.g. "in the request body", "as two form fields"): the one answer of every reader
+    that refuses to keep the last value silently."""
+    return APIError(400, f"{name} is given more than once {where}; send it once", param=name,
+                    code="duplicate_parameter")
+
+
 def json_error(err: ValueError, what: str, param: str | None = None) -> APIError:
     """The APIError 400 for :func:`parse_json`'s ``err`` on the JSON text of ``what`` (``param``: its field, None
     for the body): ``duplicate_parameter`` naming the repeated key (``param.key``) for :class:`JSONDuplicateKey`,
     ``invalid_json`` for anything else."""
     if isinstance(err, JSONDuplicateKey):
-        name = f"{param}.{err.key}" if param else err.key
-        return APIError(400, f"{name} is given more than once in {what}; send each field once", param=name,
-                        code="duplicate_parameter")
+        return duplicate_error(f"{param}.{err.key}" if param else err.key, f"in {what}")
     return APIError(400, f"{what} is not valid JSON: {err}", param=param, code="invalid_json")
 
 

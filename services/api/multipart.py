@@ -8,7 +8,7 @@ from fastapi import Request
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartParser
 
-from .body import json_object
+from .body import duplicate_error, json_object
 from .errors import APIError
 
 
@@ -63,11 +63,6 @@ def _unicode_error(field: str) -> APIError:
                     param=field, code="invalid_unicode")
 
 
-def _duplicate_error(field: str, what: str) -> APIError:
-    return APIError(400, f"{field} is given more than once (as {what}); send each field once", param=field,
-                    code="duplicate_parameter")
-
-
 def content_type(request: Request) -> str:
     """The request's media type, lower case, without parameters (``""`` when there is no ``Content-Type``)."""
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -101,7 +96,7 @@ async def read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
         fields = {}
         for key, value in pairs:
             if key in fields:
-                raise _duplicate_error(key, "two form fields")
+                raise duplicate_error(key, "as two form fields")
             fields[key] = value
         return fields, {}
     if ctype == "multipart/form-data":
@@ -123,11 +118,11 @@ async def read_body(request: Request, max_bytes: int) -> tuple[dict, dict]:
             for key, value in form.multi_items():
                 if isinstance(value, UploadFile):
                     if key in files:
-                        raise _duplicate_error(key, "two files")
+                        raise duplicate_error(key, "as two files")
                     files[key] = await value.read()
                 else:
                     if key in fields:
-                        raise _duplicate_error(key, "two form fields")
+                        raise duplicate_error(key, "as two form fields")
                     fields[key] = value
         finally:
             await form.close()

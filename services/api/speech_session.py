@@ -19,7 +19,7 @@ from core.constants import SAMPLE_RATE
 
 from ..config.profiles import FamilySection, Profile
 from ..deployments.backends import Backend
-from .body import JSONDuplicateKey, parse_json
+from .body import JSONDuplicateKey, duplicate_error, parse_json
 from .errors import APIError, raise_if_error_event, to_api_error
 from .models import check_model
 from .speech_stream import SpeechTiming
@@ -112,7 +112,8 @@ class SpeechSession:
         try:
             event = parse_json(text)
         except JSONDuplicateKey as err:
-            return await self.error(f"{err}; send each field once", "duplicate_parameter", err.key)
+            dup = duplicate_error(err.key, "in the event")
+            return await self.error(dup.message, dup.code, dup.param)
         except ValueError as err:
             return await self.error(f"malformed JSON: {err}", "invalid_json")
         if not isinstance(event, dict):

@@ -12,7 +12,7 @@ from typing import Any
 
 from core.media import ImageInputError, parse_data_url
 
-from .body import JSONDuplicateKey, JSONTooDeep, json_error, parse_json
+from .body import JSONDuplicateKey, JSONTooDeep, duplicate_error, json_error, parse_json
 from .errors import APIError, to_api_error
 
 
@@ -99,8 +99,7 @@ def check_query(params: Any, allowed: Iterable[str] = ()) -> None:
             raise APIError(400, f"unknown query parameter {name[:100]!r} ({takes})", param=name,
                            code="unknown_parameter")
         if name in seen:
-            raise APIError(400, f"query parameter {name} is given more than once; send it once", param=name,
-                           code="duplicate_parameter")
+            raise duplicate_error(name, "as a query parameter")
         seen.add(name)
 
 
